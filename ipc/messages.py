@@ -1,0 +1,184 @@
+"""Every message that crosses a process boundary.
+
+Each channel decodes a tagged union of Structs, so a frame of the wrong type or shape is
+rejected by msgspec, never executed. Token and slot arrays travel as raw int32 bytes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    type: str  # "length" | "stop" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        return msgspec.structs.asdict(self)
+
+
+# ---- tokenizer -> scheduler -------------------------------------------------------------
+
+class GenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str  # "" aborts every request
+    message: str = "aborted by client"
+
+
+class StatsReq(msgspec.Struct, tag=True):
+    query_id: str
+
+
+ToScheduler = GenerateReq | AbortReq | StatsReq
+
+
+# ---- scheduler -> worker ----------------------------------------------------------------
+
+class ModelWorkerBatch(msgspec.Struct, tag=True):
+    """One forward step. Requests are ordered as the scheduler built them; each row extends
+    request `req_pool_indices[i]` from `prefix_lens[i]` by `extend_lens[i]` tokens whose KV goes
+    to the matching run of `out_cache_loc`. The worker updates its req_to_token mirror from it."""
+
+    step: int
+    input_ids: bytes  # int32, sum(extend_lens)
+    out_cache_loc: bytes  # int32, sum(extend_lens)
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sample_rows: list[int]  # rows whose last position is sampled (prompt complete)
+    sampling: list[SamplingParams]  # one per sample row
+    output_lens: list[int]  # tokens each sampled request has generated so far (seeded noise)
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToWorker = ModelWorkerBatch | Shutdown
+
+
+# ---- worker -> scheduler ----------------------------------------------------------------
+
+class WorkerReady(msgspec.Struct, tag=True):
+    max_total_tokens: int  # KV slots the memory planner gave the pool
+    max_context_len: int
+    dtype: str
+    device: str
+
+
+class BatchResult(msgspec.Struct, tag=True):
+    step: int
+    next_token_ids: list[int]  # one per sample row
+    forward_s: float
+
+
+class WorkerError(msgspec.Struct, tag=True):
+    message: str
+
+
+FromWorker = WorkerReady | BatchResult | WorkerError
+
+
+# ---- scheduler -> detokenizer -> tokenizer ------------------------------------------------
+
+class TokenDelta(msgspec.Struct, omit_defaults=True):
+    rid: str
+    new_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish: FinishReason | None = None
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    retractions: int = 0
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    items: list[TokenDelta]
+
+
+class TextDelta(msgspec.Struct, omit_defaults=True):
+    rid: str
+    text: str  # new text since the previous delta
+    new_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish: FinishReason | None = None
+    retractions: int = 0
+
+
+class BatchTextOut(msgspec.Struct, tag=True):
+    items: list[TextDelta]
+
+
+class StatsResp(msgspec.Struct, tag=True):
+    query_id: str
+    stats: dict[str, int | float | str]
+
+
+ToDetokenizer = BatchTokenOut | StatsResp
+ToTokenizer = BatchTextOut | StatsResp
+
+
+# ---- children -> launcher ---------------------------------------------------------------
+
+class ProcReady(msgspec.Struct, tag=True):
+    name: str
+    info: dict[str, int | float | str] = {}
+
+
+class ProcFailed(msgspec.Struct, tag=True):
+    name: str
+    message: str
+
+
+ToLauncher = ProcReady | ProcFailed
+
+
+# ---- ZMQ client <-> server ----------------------------------------------------------------
+
+class ClientGenerate(msgspec.Struct, tag=True):
+    rid: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+
+
+class ClientAbort(msgspec.Struct, tag=True):
+    rid: str
+
+
+class ClientOutput(msgspec.Struct, tag=True):
+    rid: str
+    text: str  # cumulative text
+    output_ids: list[int]
+    meta_info: dict
+    finished: bool
+    error: str | None = None
+
+
+FromClient = ClientGenerate | ClientAbort

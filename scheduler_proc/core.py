@@ -1,0 +1,266 @@
+"""The scheduling core: a plain object with no clock, socket or tensor.
+
+The scheduler process, the tests (and later the simulator) drive the same object:
+`add_request`, `next_batch`, `on_result`, `abort`. Every step it runs each decoding request one
+token, continues a chunked prompt, and admits waiting requests while the step's token budget,
+the request slots and the KV pool allow (continuous batching, decodes and prefills in one
+packed forward).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ipc.messages import FinishReason
+from scheduler_proc.kv_allocator import ReqSlotAllocator, TokenSlotAllocator
+from scheduler_proc.policies import QueuePolicy, make_queue_policy
+from scheduler_proc.req import Req, ReqState
+from scheduler_proc.schedule_batch import BatchRow, ScheduleBatch
+
+# Outputs longer than this are reserved as if they were this long (keeps admission possible
+# for requests that ask for huge max_new_tokens).
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_total_tokens: int  # KV slots in the pool
+    max_running_requests: int
+    max_prefill_tokens: int  # prompt tokens one step may compute
+    max_context_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    schedule_policy: str = "fcfs"
+    # Reservation for the outputs of running requests: ratio x remaining max_new_tokens.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.14
+    new_token_ratio_decay: float = 0.001
+
+
+@dataclass(slots=True)
+class ReqOutput:
+    req: Req
+    new_ids: list[int]
+    finished: bool
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        stop_checker: Callable[[Req], str | None] | None = None,
+    ):
+        self.config = config
+        self.token_pool = TokenSlotAllocator(config.max_total_tokens)
+        self.req_pool = ReqSlotAllocator(config.max_running_requests)
+        self.queue_policy: QueuePolicy = make_queue_policy(config.schedule_policy)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.stop_checker = stop_checker
+        self.new_token_ratio = config.init_new_token_ratio
+        self.step = 0
+        self.num_retractions = 0
+        self._eos = frozenset(config.eos_token_ids)
+
+    # ---- requests in ---------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> ReqOutput | None:
+        """Queue a request; one that can never run is finished at once (the output says why)."""
+        limit = self.config.max_context_len
+        if len(req.input_ids) == 0:
+            return self._finish_now(req, "the prompt is empty")
+        if len(req.input_ids) + 1 > min(limit, self.config.max_total_tokens):
+            return self._finish_now(
+                req,
+                f"the prompt has {len(req.input_ids)} tokens; this server holds at most "
+                f"{min(limit, self.config.max_total_tokens) - 1}",
+            )
+        req.state = ReqState.WAITING
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str, message: str = "aborted") -> list[ReqOutput]:
+        """Abort one request by id ("" aborts all), from any state, freeing what it holds."""
+        outputs = []
+        for req in [*self.waiting, *self.running]:
+            if rid == "" or req.rid == rid:
+                if req.state is ReqState.WAITING:
+                    self.waiting.remove(req)
+                outputs.append(self._finish(req, FinishReason("abort", message=message)))
+        return outputs
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def next_batch(self) -> tuple[ScheduleBatch | None, list[ReqOutput]]:
+        """Plan the next forward. Also returns requests that had to end while planning
+        (e.g. a lone request the KV pool cannot grow any further)."""
+        ended: list[ReqOutput] = []
+        batch = ScheduleBatch(step=self.step)
+        ended += self._schedule_decodes(batch)
+        self._schedule_prefills(batch)
+        if not batch.rows:
+            return None, ended
+        self.step += 1
+        return batch, ended
+
+    def on_result(self, batch: ScheduleBatch, next_token_ids: Iterable[int]) -> list[ReqOutput]:
+        """Apply a step's sampled tokens (one per sampling row, in row order)."""
+        outputs: list[ReqOutput] = []
+        tokens = iter(next_token_ids)
+        for row in batch.rows:
+            req = row.req
+            token = next(tokens) if row.samples else None
+            if req.state is not ReqState.RUNNING or token is None:
+                continue  # aborted while in flight, or a prompt chunk that samples nothing
+            req.output_ids.append(token)
+            finish = self._check_finish(req, token)
+            if finish is not None:
+                outputs.append(self._finish(req, finish))
+            else:
+                outputs.append(ReqOutput(req, self._take_unsent(req), False))
+        if self.new_token_ratio > self.config.min_new_token_ratio:
+            self.new_token_ratio = max(
+                self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
+            )
+        return outputs
+
+    # ---- planning ----------------------------------------------------------------------
+
+    def _schedule_decodes(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        ended: list[ReqOutput] = []
+        while True:
+            decoding = [r for r in self.running if r.num_pending == 1]
+            if self.token_pool.num_free >= len(decoding):
+                break
+            if len(self.running) == 1:
+                ended.append(self._finish(self.running[0], FinishReason(
+                    "abort", message="the KV cache is too small to continue this request")))
+            else:
+                self._retract(self._retraction_victim())
+        for req in decoding:
+            self._extend(batch, req, 1)
+        return ended
+
+    def _schedule_prefills(self, batch: ScheduleBatch) -> None:
+        budget = self.config.max_prefill_tokens
+        # A request whose prompt was chunked last step resumes first.
+        for req in self.running:
+            if req.num_pending > 1 and budget > 0:
+                chunk = min(req.num_pending, budget, self.token_pool.num_free)
+                if chunk > 0:
+                    self._extend(batch, req, chunk)
+                    budget -= chunk
+        self.queue_policy.order(self.waiting)
+        while self.waiting and budget > 0 and self.req_pool.num_free > 0:
+            req = self.waiting[0]
+            chunk = min(req.num_pending, budget)
+            # Admit only if the pool keeps room for this prompt and the expected outputs of
+            # everything running (retraction handles a wrong estimate).
+            need = req.num_pending + self._expected_output(req)
+            if self.token_pool.num_free - self._reserved_tokens() < need:
+                if self.running or batch.rows:
+                    break
+                if self.token_pool.num_free < chunk:
+                    break
+            self.waiting.popleft()
+            req.req_pool_idx = self.req_pool.alloc()
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+            self._extend(batch, req, chunk)
+            budget -= chunk
+
+    def _extend(self, batch: ScheduleBatch, req: Req, n: int) -> None:
+        slots = self.token_pool.alloc(n)
+        assert slots is not None, "caller checked the pool"
+        batch.rows.append(BatchRow(req, req.num_computed, n, slots))
+        req.kv_slots = np.concatenate([req.kv_slots, slots]) if len(req.kv_slots) else slots
+
+    def _expected_output(self, req: Req) -> int:
+        return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    def _reserved_tokens(self) -> int:
+        return sum(self._expected_output(r) + max(r.num_pending - 1, 0) for r in self.running)
+
+    def _retraction_victim(self) -> Req:
+        # Longest output first (it frees the most), ties to the latest arrival.
+        return max(self.running, key=lambda r: (len(r.output_ids), r.arrival))
+
+    def _retract(self, req: Req) -> None:
+        self._release(req)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.new_token_ratio = self.config.init_new_token_ratio
+
+    # ---- finishing ---------------------------------------------------------------------
+
+    def _check_finish(self, req: Req, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if token in sp.stop_token_ids:
+            return FinishReason("stop", matched=token)
+        if not sp.ignore_eos and token in self._eos and len(req.output_ids) >= sp.min_new_tokens:
+            return FinishReason("stop", matched=token)
+        if sp.stop and self.stop_checker is not None:
+            matched = self.stop_checker(req)
+            if matched is not None:
+                return FinishReason("stop", matched=matched)
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return FinishReason("length")
+        if req.num_fill >= self.config.max_context_len:
+            return FinishReason("length", message="reached the model's context length")
+        return None
+
+    def _finish(self, req: Req, finish: FinishReason) -> ReqOutput:
+        if req.state is ReqState.RUNNING:
+            self._release(req)
+        req.state = ReqState.FINISHED
+        req.finish = finish
+        return ReqOutput(req, self._take_unsent(req), True)
+
+    def _finish_now(self, req: Req, message: str) -> ReqOutput:
+        req.state = ReqState.FINISHED
+        req.finish = FinishReason("abort", message=message)
+        return ReqOutput(req, [], True)
+
+    def _release(self, req: Req) -> None:
+        self.token_pool.free(req.kv_slots)
+        req.kv_slots = np.empty(0, dtype=np.int32)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = -1
+        self.running.remove(req)
+
+    @staticmethod
+    def _take_unsent(req: Req) -> list[int]:
+        new = req.output_ids[req.sent_ids :]
+        req.sent_ids = len(req.output_ids)
+        return new
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_slots_total": self.token_pool.capacity,
+            "kv_slots_free": self.token_pool.num_free,
+            "req_slots_total": self.req_pool.capacity,
+            "req_slots_free": self.req_pool.num_free,
+            "new_token_ratio": self.new_token_ratio,
+            "num_retractions": self.num_retractions,
+            "step": self.step,
+        }
+
+    def idle_leaks(self) -> list[str]:
+        """When nothing is queued or running, every slot must be free; returns what is not."""
+        if self.running or self.waiting:
+            return []
+        problems = []
+        if self.token_pool.num_free != self.token_pool.capacity:
+            problems.append(f"{self.token_pool.capacity - self.token_pool.num_free} KV slots leaked")
+        if self.req_pool.num_free != self.req_pool.capacity:
+            problems.append(f"{self.req_pool.capacity - self.req_pool.num_free} request slots leaked")
+        return problems

@@ -1,0 +1,59 @@
+"""A request as the scheduler sees it: token ids, progress through its prompt, KV it holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc.messages import FinishReason, SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    arrival: float = 0.0  # clock value when added, for policies and timeouts
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    finish: FinishReason | None = None
+    # KV held: the slot of every computed token, in order; the length is the computed length.
+    kv_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    req_pool_idx: int = -1
+    retractions: int = 0
+    sent_ids: int = 0  # output ids already handed to the detokenizer
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole list."""
+        n_in = len(self.input_ids)
+        if end <= n_in:
+            return self.input_ids[start:end]
+        if start >= n_in:
+            return self.output_ids[start - n_in : end - n_in]
+        return self.input_ids[start:] + self.output_ids[: end - n_in]
+
+    @property
+    def num_computed(self) -> int:
+        return len(self.kv_slots)
+
+    @property
+    def num_fill(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache: the prompt (or its rest) before the first sample,
+        1 while decoding, input+output again after a retraction freed the KV."""
+        return self.num_fill - self.num_computed
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)

@@ -1,0 +1,88 @@
+"""Attention over the paged KV pool for a packed batch that mixes prefills and decodes.
+
+`TorchAttention` is the CPU backend: decodes (one new token per request) attend in one
+batched SDPA call over K/V gathered through req_to_token and padded to the longest row;
+multi-token rows (prompts, chunks) attend one request at a time with a causal mask.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from worker_proc.forward_batch import ForwardBatch
+from worker_proc.kv_cache import KVPool
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> [T, H, D]."""
+        ...
+
+
+class TorchAttention:
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int):
+        self.pool = pool
+        self.num_heads = num_heads
+        self.scale = head_dim**-0.5
+        self.batch: ForwardBatch | None = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Per-step work shared by every layer: the decode gather indices and padding mask."""
+        self.batch = batch
+        self.decode_slots = None
+        self.decode_mask = None
+        self.extend_slots: list[torch.Tensor | None] = []
+        if len(batch.decode_tokens):
+            max_len = int(batch.decode_seq_lens.max())
+            self.decode_slots = self.pool.req_to_token[batch.decode_reqs, :max_len].long()
+            if int(batch.decode_seq_lens.min()) != max_len:
+                cols = torch.arange(max_len)
+                self.decode_mask = (cols[None, :] < batch.decode_seq_lens[:, None])[:, None, None, :]
+        for start, length, prefix, req in batch.extends:
+            if prefix == 0:
+                self.extend_slots.append(None)
+            else:
+                self.extend_slots.append(self.pool.req_to_token[req, : prefix + length].long())
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        kv = self.pool.kv[layer_id]
+        kv[b.out_cache_loc] = torch.stack((k, v), dim=1)
+        out = torch.empty_like(q)
+        if self.decode_slots is not None:
+            n = len(b.decode_tokens)
+            q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]
+            gathered = kv[self.decode_slots]  # [D, L, 2, KVH, Dh]
+            o = F.scaled_dot_product_attention(
+                q_d.unsqueeze(2),
+                gathered[:, :, 0].transpose(1, 2),
+                gathered[:, :, 1].transpose(1, 2),
+                attn_mask=self.decode_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            ).squeeze(2)
+            if b.decode_is_prefix:
+                out[:n] = o
+            else:
+                out[b.decode_tokens] = o
+        for (start, length, prefix, _), slots in zip(b.extends, self.extend_slots):
+            q_e = q[start : start + length].transpose(0, 1).unsqueeze(0)
+            if slots is None:
+                k_e = k[start : start + length].transpose(0, 1).unsqueeze(0)
+                v_e = v[start : start + length].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q_e, k_e, v_e, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                full = kv[slots]  # [P+L, 2, KVH, Dh]
+                k_e = full[:, 0].transpose(0, 1).unsqueeze(0)
+                v_e = full[:, 1].transpose(0, 1).unsqueeze(0)
+                cols = torch.arange(prefix + length)
+                rows = torch.arange(length) + prefix
+                mask = cols[None, :] <= rows[:, None]
+                o = F.scaled_dot_product_attention(q_e, k_e, v_e, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start : start + length] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,61 @@
+"""The worker's view of one step: tensors built from a ModelWorkerBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ipc.messages import ModelWorkerBatch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    logit_rows: torch.Tensor  # token rows whose logits are sampled
+    # single-token rows (decodes) attend in one batched call
+    decode_tokens: torch.Tensor  # [D] token rows
+    decode_reqs: torch.Tensor  # [D] req_to_token rows
+    decode_seq_lens: torch.Tensor  # [D]
+    decode_is_prefix: bool  # decode tokens are rows [0, D): slice instead of gather
+    # multi-token rows (prefills, chunks): (token_start, length, prefix_len, req_pool_idx)
+    extends: list[tuple[int, int, int, int]]
+    # numpy copies for bookkeeping
+    req_pool_indices: np.ndarray
+    prefix_lens: np.ndarray
+    extend_lens: np.ndarray
+    token_starts: np.ndarray
+
+    @classmethod
+    def from_worker_batch(cls, b: ModelWorkerBatch) -> "ForwardBatch":
+        ids = np.frombuffer(b.input_ids, dtype=np.int32)
+        loc = np.frombuffer(b.out_cache_loc, dtype=np.int32)
+        reqs = np.asarray(b.req_pool_indices, dtype=np.int64)
+        prefix = np.asarray(b.prefix_lens, dtype=np.int64)
+        ext = np.asarray(b.extend_lens, dtype=np.int64)
+        starts = np.cumsum(ext) - ext
+        total = int(ext.sum())
+        positions = np.repeat(prefix - starts, ext) + np.arange(total)
+        sample_rows = np.asarray(b.sample_rows, dtype=np.int64)
+        logit_rows = starts[sample_rows] + ext[sample_rows] - 1
+        single = ext == 1
+        decode_tokens = starts[single]
+        extends = [(int(starts[i]), int(ext[i]), int(prefix[i]), int(reqs[i])) for i in np.flatnonzero(~single)]
+        return cls(
+            input_ids=torch.from_numpy(ids.astype(np.int64)),
+            positions=torch.from_numpy(positions),
+            out_cache_loc=torch.from_numpy(loc.astype(np.int64)),
+            logit_rows=torch.from_numpy(logit_rows),
+            decode_tokens=torch.from_numpy(decode_tokens),
+            decode_reqs=torch.from_numpy(reqs[single]),
+            decode_seq_lens=torch.from_numpy(prefix[single] + 1),
+            decode_is_prefix=bool(len(decode_tokens) == 0 or decode_tokens[-1] == len(decode_tokens) - 1),
+            extends=extends,
+            req_pool_indices=reqs,
+            prefix_lens=prefix,
+            extend_lens=ext,
+            token_starts=starts,
+        )

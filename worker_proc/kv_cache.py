@@ -1,0 +1,34 @@
+"""KV tensors and the req_to_token mirror. The scheduler hands out slot indices; this holds
+what they index. Slot 0 is scratch (padding reads land there)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, max_reqs: int, max_context_len: int, device: str = "cpu"):
+        # One tensor per layer with K and V side by side, so a gather of a slot fetches both.
+        self.kv = [torch.zeros(num_slots + 1, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+                   for _ in range(num_layers)]
+        self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
+        self.num_slots = num_slots
+
+    def record(self, req_pool_indices: np.ndarray, prefix_lens: np.ndarray, extend_lens: np.ndarray,
+               token_starts: np.ndarray, out_cache_loc: torch.Tensor) -> None:
+        """Write this step's new slots into the mirror: row r gets slots for positions
+        [prefix, prefix + extend)."""
+        single = extend_lens == 1
+        if single.any():
+            rows = torch.from_numpy(req_pool_indices[single])
+            cols = torch.from_numpy(prefix_lens[single])
+            self.req_to_token[rows, cols] = out_cache_loc[torch.from_numpy(token_starts[single])].to(torch.int32)
+        for i in np.flatnonzero(~single):
+            p, e, s = int(prefix_lens[i]), int(extend_lens[i]), int(token_starts[i])
+            self.req_to_token[int(req_pool_indices[i]), p : p + e] = out_cache_loc[s : s + e].to(torch.int32)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
