@@ -39,7 +39,8 @@ class TorchAttention:
         self.extend_slots: list[torch.Tensor | None] = []
         if len(batch.decode_tokens):
             max_len = int(batch.decode_seq_lens.max())
-            self.decode_slots = self.pool.req_to_token[batch.decode_reqs, :max_len].long()
+            self.decode_slots = self.pool.req_to_token[batch.decode_reqs, :max_len].long().view(-1)
+            self.decode_shape = (len(batch.decode_tokens), max_len)
             if int(batch.decode_seq_lens.min()) != max_len:
                 cols = torch.arange(max_len)
                 self.decode_mask = (cols[None, :] < batch.decode_seq_lens[:, None])[:, None, None, :]
@@ -48,16 +49,19 @@ class TorchAttention:
                 self.extend_slots.append(None)
             else:
                 self.extend_slots.append(self.pool.req_to_token[req, : prefix + length].long())
+        # Rows of K and V side by side: a gather is one index_select of contiguous rows.
+        self.row_view_shape = (self.pool.kv[0].shape[0], -1)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         kv = self.pool.kv[layer_id]
-        kv[b.out_cache_loc] = torch.stack((k, v), dim=1)
+        kv_rows = kv.view(self.row_view_shape)
+        kv_rows.index_copy_(0, b.out_cache_loc, torch.cat((k, v), dim=1).view(len(k), -1))
         out = torch.empty_like(q)
         if self.decode_slots is not None:
             n = len(b.decode_tokens)
             q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]
-            gathered = kv[self.decode_slots]  # [D, L, 2, KVH, Dh]
+            gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:])  # [D, L, 2, KVH, Dh]
             o = F.scaled_dot_product_attention(
                 q_d.unsqueeze(2),
                 gathered[:, :, 0].transpose(1, 2),
@@ -77,12 +81,12 @@ class TorchAttention:
                 v_e = v[start : start + length].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                full = kv[slots]  # [P+L, 2, KVH, Dh]
+                full = kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:])  # [P+L, 2, KVH, Dh]
                 k_e = full[:, 0].transpose(0, 1).unsqueeze(0)
                 v_e = full[:, 1].transpose(0, 1).unsqueeze(0)
                 cols = torch.arange(prefix + length)
-                rows = torch.arange(length) + prefix
-                mask = cols[None, :] <= rows[:, None]
+                query_pos = torch.arange(length) + prefix
+                mask = cols[None, :] <= query_pos[:, None]
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + length] = o[0].transpose(0, 1)
         return out

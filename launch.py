@@ -1,0 +1,368 @@
+"""loom's entry points: `ServerArgs` (every flag), the process launcher with its watchdog,
+the offline `Engine` API, and `python launch.py` to serve over HTTP and ZMQ."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import msgspec
+import zmq
+
+from ipc.messages import ProcFailed, ProcReady, SamplingParams, ToLauncher
+from ipc.proc import ChildConfig
+from ipc.sockets import Endpoints, Receiver
+
+log = logging.getLogger("loom")
+ROOT = Path(__file__).resolve().parent
+
+
+def _arg(default: Any, help: str, **kw) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = _arg(None, "local Hugging Face checkpoint folder (Llama, Qwen2, Qwen3); "
+                                        "default: the embedded SmolLM2-135M-Instruct")
+    host: str = _arg("127.0.0.1", "HTTP and ZMQ bind address")
+    port: int = _arg(30000, "HTTP port")
+    zmq_port: int | None = _arg(None, "ZMQ client port (default: --port + 1; 0 picks a free port)")
+    dtype: str = _arg("auto", "auto | float32 | bfloat16 (auto times both on this CPU at start-up)")
+    device: str = _arg("cpu", "compute device (cpu)")
+    kv_cache_gb: float = _arg(2.0, "memory for the KV cache, in GiB")
+    max_running_requests: int = _arg(64, "requests decoding at once")
+    max_prefill_tokens: int = _arg(1024, "prompt tokens computed per step (longer prompts are chunked)")
+    context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
+    schedule_policy: str = _arg("fcfs", "waiting-queue order")
+    num_threads: int | None = _arg(None, "torch threads in the worker (default: all cores)")
+    log_level: str = _arg("info", "debug | info | warning | error")
+    startup_timeout_s: float = _arg(600.0, "give up if the processes are not ready by then")
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        parser = argparse.ArgumentParser(description="Serve a model with loom (OpenAI-style HTTP + ZMQ).")
+        for f in dataclasses.fields(cls):
+            kind = {"int | None": int, "str | None": str, "float": float, "int": int, "str": str}.get(str(f.type), str)
+            parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+        return cls(**vars(parser.parse_args(argv)))
+
+
+def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer (chat models often end
+    turns with a token the base config does not list)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        p = model_dir / name
+        if p.exists():
+            eos = json.loads(p.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+class Launcher:
+    """Spawns the detokenizer, scheduler and worker, waits until each is ready, and watches
+    them: any child's death takes the whole tree down."""
+
+    CHILDREN = [("detokenizer", "detokenizer_proc.process"), ("worker", "worker_proc.process"),
+                ("scheduler", "scheduler_proc.process")]
+
+    def __init__(self, args: ServerArgs, model_dir: Path, extra: dict[str, Any]):
+        self.args = args
+        self.model_dir = model_dir
+        self.endpoints = Endpoints.create()
+        self.extra = extra
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ready_info: dict[str, dict] = {}
+        self._stopping = False
+        self._ctx = zmq.Context()
+
+    def start(self) -> None:
+        inbox = Receiver(self._ctx, zmq.PULL, self.endpoints.launcher, ToLauncher)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        server_args = {**dataclasses.asdict(self.args), **self.extra}
+        for name, module in self.CHILDREN:
+            cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args)
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
+                                                env=env, cwd=str(ROOT))
+        try:
+            deadline = time.monotonic() + self.args.startup_timeout_s
+            while len(self.ready_info) < len(self.CHILDREN):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"loom processes not ready after {self.args.startup_timeout_s:.0f} s")
+                dead = self._dead_child()
+                if dead:
+                    raise RuntimeError(f"the {dead} process exited during start-up (see its log above)")
+                if inbox.poll(200):
+                    msg = inbox.recv()
+                    if isinstance(msg, ProcFailed):
+                        raise RuntimeError(f"the {msg.name} process failed to start: {msg.message}")
+                    assert isinstance(msg, ProcReady)
+                    self.ready_info[msg.name] = dict(msg.info)
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            inbox.socket.close()
+
+    def _dead_child(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                return name
+        return None
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Calls on_death(message) from a watchdog thread when a child dies unexpectedly."""
+
+        def loop():
+            while not self._stopping:
+                dead = self._dead_child()
+                if dead and not self._stopping:
+                    code = self.procs[dead].returncode
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                    on_death(f"the {dead} process (pid {self.procs[dead].pid}) {how}; shutting loom down")
+                    return
+                time.sleep(0.1)
+
+        threading.Thread(target=loop, name="loom-watchdog", daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 3
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.endpoints.directory, ignore_errors=True)
+        self._ctx.term()
+
+
+def _prepare(args: ServerArgs):
+    """Resolve (and on first use convert) the model, load its tokenizer, start the processes."""
+    from transformers import AutoTokenizer
+
+    from worker_proc.model_loader import resolve_model_path
+
+    model_dir = resolve_model_path(args.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
+    launcher.start()
+    return model_dir, tokenizer, launcher
+
+
+# ---- offline Engine ---------------------------------------------------------------------------
+
+class Engine:
+    """In-process entry point: `Engine(**ServerArgs fields)`; generate / async_generate /
+    streaming; use as a context manager or call shutdown()."""
+
+    def __init__(self, **kwargs: Any):
+        from tokenizer_proc.manager import TokenizerManager
+
+        self.args = ServerArgs(**kwargs)
+        logging.basicConfig(level=self.args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
+        self.model_dir, self.tokenizer, self.launcher = _prepare(self.args)
+        self.server_info = {"model_path": str(self.model_dir), **self.launcher.ready_info.get("scheduler", {}),
+                            **self.launcher.ready_info.get("worker", {})}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="loom-engine-loop", daemon=True)
+        self._thread.start()
+
+        async def make_manager():
+            m = TokenizerManager(self.launcher.endpoints, self.tokenizer, self.server_info["max_context_len"])
+            m.start()
+            return m
+
+        self.manager = self._run(make_manager())
+        self.launcher.watch(self._on_child_death)
+        self._closed = False
+
+    def _on_child_death(self, message: str) -> None:
+        log.error("loom: %s", message)
+        self.loop.call_soon_threadsafe(self.manager.fail_all, message)
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                 rid: str | None = None) -> dict | list[dict] | Iterator[dict]:
+        """One prompt -> a dict; a list of prompts -> a list of dicts, in order. With
+        stream=True (one prompt) an iterator of cumulative dicts."""
+        if stream:
+            return self._stream(prompt, sampling_params, input_ids, rid)
+        return self._run(self._generate_all(prompt, sampling_params, input_ids, rid))
+
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                             rid: str | None = None):
+        """Awaitable from any event loop; with stream=True returns an async iterator."""
+        if stream:
+            return self._astream(prompt, sampling_params, input_ids, rid)
+        coro = self._generate_all(prompt, sampling_params, input_ids, rid)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    async def _generate_all(self, prompt, sampling_params, input_ids, rid):
+        prompts = _as_prompt_list(prompt, input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts[0])
+        texts, ids_list, single = prompts
+        if len(params) != len(texts):
+            raise ValueError(f"{len(params)} sampling_params for {len(texts)} prompts")
+
+        async def one(t, i, p, r):
+            last = None
+            async for last in self.manager.generate(text=t, input_ids=i, sampling=p, rid=r):
+                pass
+            return last
+
+        rids = [rid] if single else [None] * len(texts)
+        outs = await asyncio.gather(*(one(t, i, p, r) for t, i, p, r in zip(texts, ids_list, params, rids)))
+        return outs[0] if single else list(outs)
+
+    def _stream(self, prompt, sampling_params, input_ids, rid) -> Iterator[dict]:
+        texts, ids_list, single = _as_prompt_list(prompt, input_ids)
+        if not single:
+            raise ValueError("stream=True takes one prompt")
+        agen = self.manager.generate(text=texts[0], input_ids=ids_list[0], sampling=sampling_params, rid=rid,
+                                     stream=True)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    async def _astream(self, prompt, sampling_params, input_ids, rid) -> AsyncIterator[dict]:
+        texts, ids_list, single = _as_prompt_list(prompt, input_ids)
+        if not single:
+            raise ValueError("stream=True takes one prompt")
+        agen = self.manager.generate(text=texts[0], input_ids=ids_list[0], sampling=sampling_params, rid=rid,
+                                     stream=True)
+
+        def call(coro):
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+        try:
+            while True:
+                try:
+                    yield await call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            await call(agen.aclose())
+
+    def abort(self, rid: str = "") -> None:
+        self._run(self.manager.abort(rid))
+
+    def get_stats(self) -> dict:
+        """Scheduler counters: running/waiting requests and free/total KV and request slots."""
+        return self._run(self.manager.get_stats())
+
+    # ---- lifetime --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.launcher.shutdown()
+        try:
+            self._run(self.manager.close(), timeout=5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.shutdown()
+
+
+def _as_prompt_list(prompt, input_ids) -> tuple[list, list, bool]:
+    if prompt is not None and input_ids is not None:
+        raise ValueError("give prompt or input_ids, not both")
+    if isinstance(prompt, list):
+        return list(prompt), [None] * len(prompt), False
+    if input_ids is not None and input_ids and isinstance(input_ids[0], list):
+        return [None] * len(input_ids), list(input_ids), False
+    return [prompt], [input_ids], True
+
+
+# ---- server ---------------------------------------------------------------------------------------
+
+def serve(args: ServerArgs) -> None:
+    import uvicorn
+    import uvloop
+
+    from tokenizer_proc.http_server import build_app
+    from tokenizer_proc.manager import TokenizerManager
+    from tokenizer_proc.zmq_frontend import ZmqFrontend
+
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
+    model_dir, tokenizer, launcher = _prepare(args)
+
+    def on_death(message: str) -> None:
+        print(f"loom: {message}", file=sys.stderr, flush=True)
+        launcher.shutdown()
+        os._exit(1)
+
+    launcher.watch(on_death)
+    info = {"model_path": str(model_dir), **launcher.ready_info.get("scheduler", {}),
+            **launcher.ready_info.get("worker", {})}
+
+    async def run() -> None:
+        manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"])
+        manager.start()
+        zmq_port = args.port + 1 if args.zmq_port is None else args.zmq_port
+        frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}")
+        frontend.start()
+        app = build_app(manager, {**info, "zmq_endpoint": frontend.address})
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=2, access_log=False)
+        print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens) on "
+              f"http://{args.host}:{args.port}  zmq: {frontend.address}", flush=True)
+        await uvicorn.Server(config).serve()
+
+    try:
+        uvloop.run(run())
+    finally:
+        launcher.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    serve(ServerArgs.from_cli(argv))
+
+
+if __name__ == "__main__":
+    main()

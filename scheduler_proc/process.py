@@ -1,0 +1,139 @@
+"""The scheduler process: wraps SchedulerCore in an event loop between the tokenizer, the
+worker and the detokenizer. One batch is in flight at a time (overlap mode comes later)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from detokenizer_proc.decoder import load_decoder
+from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, Shutdown, StatsReq,
+                          StatsResp, TokenDelta, ToScheduler, WorkerError, WorkerReady)
+from ipc.proc import ChildConfig, run_child
+from ipc.sockets import Receiver, Sender
+from scheduler_proc.core import ReqOutput, SchedulerConfig, SchedulerCore
+from scheduler_proc.req import Req
+
+log = logging.getLogger("loom.scheduler")
+
+
+class StopStringChecker:
+    """Decodes only the tail of a request's output to look for its stop strings."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    def __call__(self, req: Req) -> str | None:
+        stops = req.sampling.stop
+        # A token decodes to at least one byte, so this many tokens cover the longest stop.
+        window = max(len(s.encode()) for s in stops) + 1
+        tail = self.decoder.decode(req.output_ids[-window:], skip_special_tokens=req.sampling.skip_special_tokens)
+        for s in stops:
+            if s in tail:
+                return s
+        return None
+
+
+class SchedulerProcess:
+    def __init__(self, config: ChildConfig, report_ready):
+        args = config.server_args
+        ep = config.endpoints
+        ctx = zmq.Context()
+        self.requests = Receiver(ctx, zmq.PULL, ep.scheduler_in, ToScheduler)
+        self.results = Receiver(ctx, zmq.PULL, ep.scheduler_results, FromWorker)
+        self.worker = Sender(ctx, zmq.PUSH, ep.worker_in, bind=True)
+        self.detokenizer = Sender(ctx, zmq.PUSH, ep.detokenizer_in)
+        self.poller = zmq.Poller()
+        self.poller.register(self.requests.socket, zmq.POLLIN)
+        self.poller.register(self.results.socket, zmq.POLLIN)
+
+        ready = self.results.recv()
+        if isinstance(ready, WorkerError):
+            raise RuntimeError(f"worker failed to start: {ready.message}")
+        assert isinstance(ready, WorkerReady)
+        decoder = load_decoder(config.model_dir)
+        eos = tuple(args.get("eos_token_ids") or ())
+        self.core = SchedulerCore(
+            SchedulerConfig(
+                max_total_tokens=ready.max_total_tokens,
+                max_running_requests=args["max_running_requests"],
+                max_prefill_tokens=args["max_prefill_tokens"],
+                max_context_len=ready.max_context_len,
+                eos_token_ids=eos,
+                schedule_policy=args["schedule_policy"],
+            ),
+            stop_checker=StopStringChecker(decoder),
+        )
+        self.clock = time.monotonic
+        report_ready({"max_total_tokens": ready.max_total_tokens, "max_context_len": ready.max_context_len,
+                      "dtype": ready.dtype, "device": ready.device})
+        log.info("ready: %d KV slots, context %d, %s", ready.max_total_tokens, ready.max_context_len, ready.dtype)
+
+    # ---- inputs ----------------------------------------------------------------------------
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, GenerateReq):
+            req = Req(msg.rid, msg.input_ids, msg.sampling, arrival=self.clock())
+            ended = self.core.add_request(req)
+            if ended is not None:
+                self.emit([ended])
+        elif isinstance(msg, AbortReq):
+            self.emit(self.core.abort(msg.rid, msg.message))
+        elif isinstance(msg, StatsReq):
+            self.detokenizer.send(StatsResp(msg.query_id, self.core.stats()))
+
+    def drain_requests(self) -> None:
+        while self.requests.poll(0):
+            self.handle(self.requests.recv())
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    def emit(self, outputs: list[ReqOutput]) -> None:
+        if not outputs:
+            return
+        items = []
+        for o in outputs:
+            r = o.req
+            items.append(TokenDelta(
+                rid=r.rid, new_ids=o.new_ids, prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids),
+                finish=r.finish if o.finished else None, stop=r.sampling.stop,
+                skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions))
+        self.detokenizer.send(BatchTokenOut(items))
+
+    # ---- loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            self.drain_requests()
+            batch, ended = self.core.next_batch()
+            self.emit(ended)
+            if batch is None:
+                leaks = self.core.idle_leaks()
+                if leaks:
+                    log.error("IDLE SELF-CHECK FAILED: %s", "; ".join(leaks))
+                self.requests.poll(-1)  # idle: sleep until a request arrives
+                continue
+            self.worker.send(batch.to_worker_batch())
+            result = self.wait_result()
+            self.emit(self.core.on_result(batch, result.next_token_ids))
+
+    def wait_result(self) -> BatchResult:
+        # Requests that arrive during the forward are queued now, so they join the next step.
+        while True:
+            for sock, _ in self.poller.poll():
+                if sock is self.results.socket:
+                    msg = self.results.recv()
+                    if isinstance(msg, WorkerError):
+                        raise RuntimeError(f"worker failed: {msg.message}")
+                    return msg
+                self.handle(self.requests.recv())
+
+
+def main(config: ChildConfig, report_ready) -> None:
+    SchedulerProcess(config, report_ready).run()
+
+
+if __name__ == "__main__":
+    run_child(main)

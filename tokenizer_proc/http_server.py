@@ -1,0 +1,93 @@
+"""HTTP routes of the native API: POST /generate (JSON, or SSE when "stream": true),
+GET /health, GET /get_server_info."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenizer_proc.manager import RequestError, TokenizerManager
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def build_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAPI:
+    app = FastAPI(title="loom")
+
+    @app.get("/health")
+    async def health():
+        if manager.dead:
+            return _error(503, manager.dead)
+        return {"status": "ok"}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return {**server_info, "stats": await manager.get_stats()}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"malformed JSON body: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        batch = isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
+        prompts = [(t, None) for t in text] if isinstance(text, list) else (
+            [(None, i) for i in input_ids] if batch else [(text, input_ids)])
+        stream = bool(body.get("stream"))
+        if batch and stream:
+            return _error(400, "stream is supported for a single prompt")
+        sampling = body.get("sampling_params")
+        rid = body.get("rid")
+
+        def start(t, i, r):
+            return manager.generate(text=t, input_ids=i, sampling=sampling, rid=r, stream=stream)
+
+        if stream:
+            gen = start(*prompts[0], rid)
+            try:
+                first = await anext(gen)
+            except RequestError as e:
+                return _error(400, str(e))
+
+            async def sse():
+                try:
+                    yield f"data: {json.dumps(first)}\n\n"
+                    async for out in gen:
+                        yield f"data: {json.dumps(out)}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    await gen.aclose()  # a disconnect lands here and aborts the request
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        try:
+            results = []
+            for k, (t, i) in enumerate(prompts):
+                r = (rid[k] if isinstance(rid, list) else rid) if rid else None
+                results.append(start(t, i, r))
+            outs = [await _last(g) for g in results] if len(results) == 1 else await _gather(results)
+        except RequestError as e:
+            return _error(400, str(e))
+        return outs if batch else outs[0]
+
+    return app
+
+
+async def _last(gen) -> dict:
+    out = None
+    async for out in gen:
+        pass
+    return out
+
+
+async def _gather(gens) -> list[dict]:
+    import asyncio
+
+    return list(await asyncio.gather(*(_last(g) for g in gens)))

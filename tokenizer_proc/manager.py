@@ -1,0 +1,225 @@
+"""TokenizerManager: the front door inside the main process. Tokenizes, validates, sends
+requests to the scheduler, and turns the detokenizer's text deltas back into per-request
+results and streams. Runs on one asyncio loop (the HTTP server's, or the Engine's thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.messages import (AbortReq, BatchTextOut, FinishReason, GenerateReq, SamplingParams, StatsReq, StatsResp,
+                          ToTokenizer)
+from ipc.sockets import Endpoints
+
+log = logging.getLogger("loom.tokenizer")
+
+
+class RequestError(ValueError):
+    """A request a user got wrong: reported as HTTP 400 with this message."""
+
+
+@dataclass(slots=True)
+class ReqState:
+    rid: str
+    prompt_tokens: int
+    created: float
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    retractions: int = 0
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    first_token_at: float | None = None
+
+
+SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
+
+
+def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
+    """Build and validate sampling parameters; null fields take their defaults."""
+    if isinstance(raw, SamplingParams):
+        sp = raw
+    else:
+        raw = {k: v for k, v in (raw or {}).items() if v is not None}
+        unknown = set(raw) - SAMPLING_FIELDS
+        if unknown:
+            raise RequestError(f"sampling_params: unknown field(s) {sorted(unknown)}")
+        if isinstance(raw.get("stop"), str):
+            raw["stop"] = [raw["stop"]]
+        try:
+            sp = msgspec.convert(raw, SamplingParams, strict=False)
+        except msgspec.ValidationError as e:
+            raise RequestError(f"sampling_params: {e}") from None
+    checks = [
+        (sp.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+        (sp.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
+        (sp.temperature >= 0, "temperature must be >= 0"),
+        (0 < sp.top_p <= 1, "top_p must be in (0, 1]"),
+        (sp.top_k == -1 or sp.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+        (0 <= sp.min_p <= 1, "min_p must be in [0, 1]"),
+        (all(isinstance(s, str) and s for s in sp.stop), "stop must be non-empty strings"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise RequestError(f"sampling_params: {message}")
+    return sp
+
+
+class TokenizerManager:
+    def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int):
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.ctx = zmq.asyncio.Context()
+        self.to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.to_scheduler.setsockopt(zmq.LINGER, 0)
+        self.to_scheduler.connect(endpoints.scheduler_in)
+        self.from_detokenizer = self.ctx.socket(zmq.PULL)
+        self.from_detokenizer.setsockopt(zmq.LINGER, 0)
+        self.from_detokenizer.bind(endpoints.tokenizer_in)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(ToTokenizer)
+        self.states: dict[str, ReqState] = {}
+        self.stats_waiters: dict[str, asyncio.Future] = {}
+        self.dead: str | None = None  # set when the server is going down: new requests fail fast
+        self._recv_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task:
+            self._recv_task.cancel()
+        self.to_scheduler.close()
+        self.from_detokenizer.close()
+        self.ctx.term()
+
+    def fail_all(self, message: str) -> None:
+        """The engine died: end every pending request with an error instead of hanging."""
+        self.dead = message
+        for state in self.states.values():
+            state.finish = FinishReason("abort", message=message)
+            state.event.set()
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        if input_ids is not None:
+            if text is not None:
+                raise RequestError("give either text or input_ids, not both")
+            if not all(isinstance(t, int) and 0 <= t for t in input_ids):
+                raise RequestError("input_ids must be non-negative integers")
+            return list(input_ids)
+        if not isinstance(text, str):
+            raise RequestError("text (a string) or input_ids (a list of integers) is required")
+        return self.tokenizer.encode(text, add_special_tokens=True) if text else []
+
+    async def generate(
+        self,
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        sampling: SamplingParams | dict | None = None,
+        rid: str | None = None,
+        stream: bool = False,
+    ) -> AsyncIterator[dict]:
+        """Yields result dicts: once at the end, or after every delta when streaming (text and
+        output_ids cumulative). A consumer that stops early aborts the request."""
+        if self.dead:
+            raise RuntimeError(self.dead)
+        sp = parse_sampling_params(sampling)
+        ids = self.tokenize(text, input_ids)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.context_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
+        rid = rid or uuid.uuid4().hex
+        if rid in self.states:
+            raise RequestError(f"request id {rid!r} is already in use")
+        state = ReqState(rid, len(ids), time.perf_counter())
+        if sp.max_new_tokens == 0:
+            state.finish = FinishReason("length")
+            yield self._result(state)
+            return
+        self.states[rid] = state
+        try:
+            await self.to_scheduler.send(self.encoder.encode(GenerateReq(rid, ids, sp)))
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                if state.finish is not None:
+                    yield self._result(state)
+                    return
+                if stream:
+                    yield self._result(state)
+        finally:
+            if self.states.pop(rid, None) is not None and state.finish is None and not self.dead:
+                # the consumer went away before the end: free the request's KV now
+                await self.abort(rid, "client disconnected")
+
+    async def abort(self, rid: str, message: str = "aborted by client") -> None:
+        await self.to_scheduler.send(self.encoder.encode(AbortReq(rid, message)))
+
+    async def get_stats(self, timeout: float = 10.0) -> dict:
+        query_id = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.stats_waiters[query_id] = fut
+        try:
+            await self.to_scheduler.send(self.encoder.encode(StatsReq(query_id)))
+            stats = await asyncio.wait_for(fut, timeout)
+        finally:
+            self.stats_waiters.pop(query_id, None)
+        stats["num_tokenizer_requests"] = len(self.states)
+        return stats
+
+    def _result(self, state: ReqState) -> dict:
+        now = time.perf_counter()
+        finish = state.finish.to_dict() if state.finish is not None else None
+        return {
+            "text": state.text,
+            "output_ids": list(state.output_ids),
+            "meta_info": {
+                "id": state.rid,
+                "prompt_tokens": state.prompt_tokens,
+                "completion_tokens": len(state.output_ids),
+                "finish_reason": finish,
+                "retractions": state.retractions,
+                "e2e_latency": now - state.created,
+                "ttft": (state.first_token_at - state.created) if state.first_token_at else None,
+            },
+        }
+
+    # ---- outputs -----------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frame = await self.from_detokenizer.recv(copy=False)
+            try:
+                msg = self.decoder.decode(frame.buffer)
+            except msgspec.DecodeError as e:
+                log.error("dropped a malformed frame from the detokenizer: %s", e)
+                continue
+            if isinstance(msg, StatsResp):
+                fut = self.stats_waiters.get(msg.query_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(dict(msg.stats))
+                continue
+            assert isinstance(msg, BatchTextOut)
+            now = time.perf_counter()
+            for d in msg.items:
+                state = self.states.get(d.rid)
+                if state is None:
+                    continue  # its consumer left already
+                if d.new_ids and state.first_token_at is None:
+                    state.first_token_at = now
+                state.text += d.text
+                state.output_ids.extend(d.new_ids)
+                state.retractions = d.retractions
+                if d.finish is not None:
+                    state.finish = d.finish
+                state.event.set()
