@@ -1,0 +1,136 @@
+"""Helpers shared by loom's benchmarks: CPU description, seeded random-token requests,
+latency summaries and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+# The instruction-set extensions that decide which dtype and kernels are fast on a CPU.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def add_repo_to_path() -> None:
+    """Make `launch`, `worker_proc`, ... importable when run as `python benchmarks/x.py`."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+def num_cores() -> int:
+    """Cores this process may run on (what loom's worker uses for its torch threads)."""
+    return os.cpu_count() or 1
+
+
+# ---- machine ----------------------------------------------------------------------------------
+
+def cpu_info() -> dict[str, Any]:
+    """Model name and the flags that matter, from /proc/cpuinfo (falls back to platform)."""
+    name: str | None = None
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and name is None:
+                name = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    return {"model_name": name, "cores": num_cores(), "flags": {f: f in flags for f in CPU_FLAGS}}
+
+
+def format_cpu_header(info: dict[str, Any]) -> list[str]:
+    flags = "  ".join(f"{f}:{'yes' if present else 'no'}" for f, present in info["flags"].items())
+    return [f"CPU        {info['model_name']} ({info['cores']} cores)", f"flags      {flags}"]
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    input_ids: list[int]
+    output_len: int
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_ids)
+
+
+def regular_token_ids(tokenizer: Any, margin: int = 100) -> np.ndarray:
+    """Ids in [margin, vocab_size - margin) that are not special tokens."""
+    vocab_size = len(tokenizer)
+    special = set(tokenizer.all_special_ids or [])
+    ids = np.array([i for i in range(margin, vocab_size - margin) if i not in special], dtype=np.int64)
+    if ids.size == 0:
+        raise ValueError(f"the tokenizer's vocabulary ({vocab_size} ids) has no regular tokens to sample")
+    return ids
+
+
+def random_requests(tokenizer: Any, num_requests: int, input_range: tuple[int, int],
+                    output_range: tuple[int, int], seed: int) -> list[Request]:
+    """`num_requests` prompts of random regular token ids; lengths uniform in the (inclusive) ranges."""
+    for name, (lo, hi) in (("input", input_range), ("output", output_range)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} length range [{lo}, {hi}] is empty or below 1")
+    rng = np.random.default_rng(seed)
+    vocab = regular_token_ids(tokenizer)
+    in_lens = rng.integers(input_range[0], input_range[1], endpoint=True, size=num_requests)
+    out_lens = rng.integers(output_range[0], output_range[1], endpoint=True, size=num_requests)
+    return [Request(rng.choice(vocab, size=int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+def summarize(values: Iterable[float | None]) -> dict[str, float | None]:
+    """mean / p50 / p99 (seconds) of the values that are not None."""
+    arr = np.array([v for v in values if v is not None], dtype=np.float64)
+    if arr.size == 0:
+        return {"mean": None, "p50": None, "p99": None}
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99))}
+
+
+def format_summary(label: str, s: dict[str, float | None]) -> str:
+    if s["mean"] is None:
+        return f"{label:<12} n/a"
+    return f"{label:<12} mean {s['mean']:8.3f} s   p50 {s['p50']:8.3f} s   p99 {s['p99']:8.3f} s"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def default_result_path(name: str) -> Path:
+    return RESULTS_DIR / f"{name}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+
+
+def write_json(path: Path, data: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
