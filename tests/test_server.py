@@ -1,0 +1,155 @@
+"""launch.py as a real server: HTTP /generate (JSON and SSE), /health, the ZMQ client, the
+same greedy text as the Engine, clean exit on SIGTERM, and a dead worker taking the tree down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self):
+        self.port, self.zmq_port = free_port(), free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), "--zmq-port", str(self.zmq_port),
+             "--dtype", "float32", "--kv-cache-gb", "0.5", "--max-running-requests", "16"],
+            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output: list[str] = []
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert self.proc.poll() is None, "server died at start-up:\n" + self.read_output()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise TimeoutError("server not healthy in 300 s")
+
+    def read_output(self) -> str:
+        if self.proc.poll() is not None and self.proc.stdout:
+            self.output.append(self.proc.stdout.read())
+        return "".join(self.output)
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                for c in self.children():
+                    c.kill()
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+def chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def test_health_and_server_info(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    info = httpx.get(server.url + "/get_server_info").json()
+    assert info["dtype"] == "float32" and info["max_total_tokens"] > 0
+    assert info["stats"]["kv_slots_free"] == info["stats"]["kv_slots_total"]
+    assert info["zmq_endpoint"] == f"tcp://127.0.0.1:{server.zmq_port}"
+
+
+def test_same_greedy_text_through_engine_http_and_zmq(server, engine):
+    from ipc.client import LoomClient
+
+    prompt = chat(engine.tokenizer, "Name three colours of the rainbow.")
+    params = {"temperature": 0, "max_new_tokens": 40}
+    via_engine = engine.generate(prompt, params)
+    via_http = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": params},
+                          timeout=120).json()
+    with LoomClient(f"tcp://127.0.0.1:{server.zmq_port}") as client:
+        via_zmq = client.generate(prompt, params)
+        streamed = list(client.generate(prompt, params, stream=True))
+    assert via_engine["text"] == via_http["text"] == via_zmq["text"] == streamed[-1]["text"]
+    assert via_engine["output_ids"] == via_http["output_ids"] == via_zmq["output_ids"]
+    assert len(streamed) > 1 and all(streamed[i]["text"].startswith(streamed[i - 1]["text"])
+                                     for i in range(1, len(streamed)))
+
+
+def test_http_streaming_sse_and_batch(server, engine):
+    prompt = chat(engine.tokenizer, "What is the capital of France?")
+    events = []
+    with httpx.stream("POST", server.url + "/generate", timeout=120, json={
+            "text": prompt, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["text"] == "The capital of France is Paris."
+    batch = httpx.post(server.url + "/generate", timeout=120, json={
+        "text": [prompt, "Hello"], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    assert batch[0]["text"] == "The capital of France"
+
+
+def test_http_errors_are_400_and_server_keeps_serving(server):
+    r = httpx.post(server.url + "/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {"temperature": -1}})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/generate", json={"sampling_params": {}})
+    assert r.status_code == 400
+    r = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
+
+
+def test_sigterm_exits_within_5s_and_leaves_no_child():
+    s = Server()
+    children = s.children()
+    assert len(children) >= 3
+    t = time.time()
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(5)
+    assert time.time() - t < 5
+    time.sleep(0.2)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killing_the_worker_brings_the_server_down_cleanly():
+    s = Server()
+    children = s.children()
+    worker = next(c for c in children if "worker_proc.process" in " ".join(c.cmdline()))
+    worker.send_signal(signal.SIGKILL)
+    code = s.proc.wait(10)
+    assert code != 0
+    output = s.read_output()
+    assert "worker process" in output and "SIGKILL" in output, output[-2000:]
+    time.sleep(0.2)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
