@@ -46,6 +46,8 @@ class ServerArgs:
     kv_cache_gb: float = _arg(2.0, "memory for the KV cache, in GiB")
     max_running_requests: int = _arg(64, "requests decoding at once")
     max_prefill_tokens: int = _arg(1024, "prompt tokens computed per step (longer prompts are chunked)")
+    attention_backend: str = _arg("auto", "auto | torch | cpu_kernel (compiled on first use; auto falls back "
+                                          "to torch where no compiler is available)")
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     schedule_policy: str = _arg("fcfs", "waiting-queue order")
     num_threads: int | None = _arg(None, "torch threads in the worker (default: all cores)")

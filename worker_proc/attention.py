@@ -41,8 +41,10 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int):
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, decode_kernel=None):
         self.pool = pool
+        # Optional compiled kernel (worker_proc/cpu_kernels) that reads the paged pool in place.
+        self.decode_kernel = decode_kernel
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self.batch: ForwardBatch | None = None
@@ -53,7 +55,7 @@ class TorchAttention:
         self.decode_slots = None
         self.decode_mask = None
         self.extend_slots: list[torch.Tensor | None] = []
-        if len(batch.decode_tokens):
+        if len(batch.decode_tokens) and self.decode_kernel is None:
             max_len = int(batch.decode_seq_lens.max())
             self.decode_slots = self.pool.req_to_token[batch.decode_reqs, :max_len].long().view(-1)
             self.decode_shape = (len(batch.decode_tokens), max_len)
@@ -90,11 +92,15 @@ class TorchAttention:
         kv_rows = kv.view(self.row_view_shape)
         kv_rows.index_copy_(0, b.out_cache_loc, torch.cat((k, v), dim=1).view(len(k), -1))
         out = torch.empty_like(q)
-        if self.decode_slots is not None:
-            n = len(b.decode_tokens)
+        n = len(b.decode_tokens)
+        if n:
             q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]
-            gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:])  # [D, L, 2, KVH, Dh]
-            o = self._decode_attention(q_d, gathered)
+            if self.decode_kernel is not None:
+                o = self.decode_kernel.paged_decode_attention(
+                    q_d.contiguous(), kv, self.pool.req_to_token, b.decode_reqs, b.decode_seq_lens, self.scale)
+            else:
+                gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:])
+                o = self._decode_attention(q_d, gathered)  # gathered: [D, L, 2, KVH, Dh]
             if b.decode_is_prefix:
                 out[:n] = o
             else:

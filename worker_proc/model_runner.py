@@ -27,6 +27,7 @@ class RunnerConfig:
     max_running_requests: int
     context_length: int | None = None
     device: str = "cpu"
+    attention_backend: str = "auto"  # auto | torch | cpu_kernel
 
 
 def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float) -> int:
@@ -36,6 +37,17 @@ def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float) -
     if slots < 16:
         raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds only {slots} tokens ({per_token} bytes each)")
     return slots
+
+
+def _decode_kernel(backend: str, device: str):
+    if backend == "torch" or device != "cpu":
+        return None
+    from worker_proc import cpu_kernels
+
+    kernel = cpu_kernels.load()
+    if kernel is None and backend == "cpu_kernel":
+        raise RuntimeError("--attention-backend cpu_kernel: the kernel failed to compile (see the log)")
+    return kernel
 
 
 class ModelRunner:
@@ -51,7 +63,9 @@ class ModelRunner:
         self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb)
         self.pool = KVPool(self.config.num_layers, self.num_slots, self.config.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)
-        self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim)
+        self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim,
+                                   decode_kernel=_decode_kernel(rc.attention_backend, rc.device))
+        self.attention_backend = "cpu_kernel" if self.attn.decode_kernel is not None else "torch"
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> list[int]:

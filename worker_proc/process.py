@@ -32,15 +32,16 @@ def main(config: ChildConfig, report_ready) -> None:
         runner = ModelRunner(RunnerConfig(
             model_dir=config.model_dir, dtype=dtype, kv_cache_gb=args["kv_cache_gb"],
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
-            device=args["device"]))
+            device=args["device"], attention_backend=args["attention_backend"]))
     except Exception as e:
         results.send(WorkerError(f"{type(e).__name__}: {e}"))
         raise
     dtype_name = str(dtype).removeprefix("torch.")
-    log.info("%s; %d threads; KV pool %d tokens", why, torch.get_num_threads(), runner.num_slots)
+    log.info("%s; %d threads; KV pool %d tokens; attention %s", why, torch.get_num_threads(), runner.num_slots,
+             runner.attention_backend)
     results.send(WorkerReady(runner.num_slots, runner.context_len, dtype_name, args["device"]))
     report_ready({"kv_slots": runner.num_slots, "dtype": dtype_name, "dtype_reason": why,
-                  "threads": torch.get_num_threads()})
+                  "threads": torch.get_num_threads(), "attention_backend": runner.attention_backend})
     while True:
         msg = batches.recv()
         if isinstance(msg, Shutdown):
