@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from detokenizer_proc.incremental import IncrementalDetokenizer
 
-TOKENIZER_PATH = os.environ.get("LOOM_TEST_TOKENIZER", "/tmp/conv/out")
-
 
 @pytest.fixture(scope="module")
-def _tok():
-    if not os.path.exists(TOKENIZER_PATH):
-        pytest.skip(f"tokenizer not found at {TOKENIZER_PATH}")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(TOKENIZER_PATH)
+def _tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], step: int = 1, matched_stop: str | None = None) -> list[str]:
