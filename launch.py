@@ -45,11 +45,25 @@ class ServerArgs:
     device: str = _arg("cpu", "compute device (cpu)")
     kv_cache_gb: float = _arg(2.0, "memory for the KV cache, in GiB")
     max_running_requests: int = _arg(64, "requests decoding at once")
-    max_prefill_tokens: int = _arg(1024, "prompt tokens computed per step (longer prompts are chunked)")
+    max_prefill_tokens: int = _arg(1024, "prompt tokens computed per step")
+    chunked_prefill_size: int = _arg(1024, "most prompt tokens of one request per step; longer prompts are split "
+                                           "across steps (-1: no chunking)")
+    enable_mixed_chunk: bool = _arg(True, "decodes ride in the same forward as prompts/chunks "
+                                          "(--no-enable-mixed-chunk: prompt steps and decode steps alternate)")
+    decode_first: bool = _arg(False, "latency knob: decodes count against the step token budget (mixed), or a "
+                                     "pending decode step runs before the next prompt step (unmixed)")
+    prefill_admission_policy: str = _arg("fifo", "fifo | pack (fill the step budget with the cheapest prompts "
+                                                 "in the look-ahead window)")
+    admission_lookahead: int = _arg(16, "waiting requests the pack policy considers")
+    force_fifo_every: int = _arg(0, "with pack: the queue head goes first after this many admissions passed it "
+                                    "over (0: never forced)")
+    enable_priority_scheduling: bool = _arg(False, "higher request `priority` first, the policy's order within")
+    waiting_timeout: float | None = _arg(None, "abort requests queued longer than this (seconds)")
+    running_timeout: float | None = _arg(None, "abort requests running longer than this (seconds)")
     attention_backend: str = _arg("auto", "auto | torch | cpu_kernel (compiled on first use; auto falls back "
                                           "to torch where no compiler is available)")
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
-    schedule_policy: str = _arg("fcfs", "waiting-queue order")
+    schedule_policy: str = _arg("fcfs", "waiting-queue order: fcfs | lof | random | routing-key")
     num_threads: int | None = _arg(None, "torch threads in the worker (default: all cores)")
     log_level: str = _arg("info", "debug | info | warning | error")
     startup_timeout_s: float = _arg(600.0, "give up if the processes are not ready by then")
@@ -57,9 +71,13 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
         parser = argparse.ArgumentParser(description="Serve a model with loom (OpenAI-style HTTP + ZMQ).")
+        types = {"int | None": int, "str | None": str, "float | None": float, "float": float, "int": int, "str": str}
         for f in dataclasses.fields(cls):
-            kind = {"int | None": int, "str | None": str, "float": float, "int": int, "str": str}.get(str(f.type), str)
-            parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            else:
+                parser.add_argument(flag, type=types[f.type], default=f.default, help=f.metadata["help"])
         return cls(**vars(parser.parse_args(argv)))
 
 
@@ -212,23 +230,23 @@ class Engine:
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
-                 rid: str | None = None) -> dict | list[dict] | Iterator[dict]:
+                 rid: str | None = None, **extra: Any) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; a list of prompts -> a list of dicts, in order. With
-        stream=True (one prompt) an iterator of cumulative dicts."""
+        stream=True (one prompt) an iterator of cumulative dicts. `extra`: priority, routing_key."""
         if stream:
-            return self._stream(prompt, sampling_params, input_ids, rid)
-        return self._run(self._generate_all(prompt, sampling_params, input_ids, rid))
+            return self._stream(prompt, sampling_params, input_ids, rid, extra)
+        return self._run(self._generate_all(prompt, sampling_params, input_ids, rid, extra))
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
-                             rid: str | None = None):
+                             rid: str | None = None, **extra: Any):
         """Awaitable from any event loop; with stream=True returns an async iterator."""
         if stream:
-            return self._astream(prompt, sampling_params, input_ids, rid)
-        coro = self._generate_all(prompt, sampling_params, input_ids, rid)
+            return self._astream(prompt, sampling_params, input_ids, rid, extra)
+        coro = self._generate_all(prompt, sampling_params, input_ids, rid, extra)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    async def _generate_all(self, prompt, sampling_params, input_ids, rid):
+    async def _generate_all(self, prompt, sampling_params, input_ids, rid, extra):
         prompts = _as_prompt_list(prompt, input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts[0])
         texts, ids_list, single = prompts
@@ -237,7 +255,7 @@ class Engine:
 
         async def one(t, i, p, r):
             last = None
-            async for last in self.manager.generate(text=t, input_ids=i, sampling=p, rid=r):
+            async for last in self.manager.generate(text=t, input_ids=i, sampling=p, rid=r, **extra):
                 pass
             return last
 
@@ -245,12 +263,12 @@ class Engine:
         outs = await asyncio.gather(*(one(t, i, p, r) for t, i, p, r in zip(texts, ids_list, params, rids)))
         return outs[0] if single else list(outs)
 
-    def _stream(self, prompt, sampling_params, input_ids, rid) -> Iterator[dict]:
+    def _stream(self, prompt, sampling_params, input_ids, rid, extra) -> Iterator[dict]:
         texts, ids_list, single = _as_prompt_list(prompt, input_ids)
         if not single:
             raise ValueError("stream=True takes one prompt")
         agen = self.manager.generate(text=texts[0], input_ids=ids_list[0], sampling=sampling_params, rid=rid,
-                                     stream=True)
+                                     stream=True, **extra)
         try:
             while True:
                 try:
@@ -260,12 +278,12 @@ class Engine:
         finally:
             self._run(agen.aclose())
 
-    async def _astream(self, prompt, sampling_params, input_ids, rid) -> AsyncIterator[dict]:
+    async def _astream(self, prompt, sampling_params, input_ids, rid, extra) -> AsyncIterator[dict]:
         texts, ids_list, single = _as_prompt_list(prompt, input_ids)
         if not single:
             raise ValueError("stream=True takes one prompt")
         agen = self.manager.generate(text=texts[0], input_ids=ids_list[0], sampling=sampling_params, rid=rid,
-                                     stream=True)
+                                     stream=True, **extra)
 
         def call(coro):
             return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))

@@ -92,6 +92,18 @@ def random_requests(tokenizer: Any, num_requests: int, input_range: tuple[int, i
     return [Request(rng.choice(vocab, size=int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
 
 
+def fixed_length_requests(tokenizer: Any, input_lens: Sequence[int], output_lens: Sequence[int],
+                          seed: int) -> list[Request]:
+    """One request per (input_len, output_len) pair: a prompt of exactly input_len random regular token ids."""
+    if len(input_lens) != len(output_lens):
+        raise ValueError(f"{len(input_lens)} input lengths for {len(output_lens)} output lengths")
+    if any(n < 1 for n in input_lens) or any(m < 1 for m in output_lens):
+        raise ValueError("every input and output length must be at least 1")
+    rng = np.random.default_rng(seed)
+    vocab = regular_token_ids(tokenizer)
+    return [Request(rng.choice(vocab, size=int(n)).tolist(), int(m)) for n, m in zip(input_lens, output_lens)]
+
+
 # ---- figures ----------------------------------------------------------------------------------
 
 def summarize(values: Iterable[float | None]) -> dict[str, float | None]:

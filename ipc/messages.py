@@ -18,6 +18,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = []
+    stop_regex: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -42,6 +43,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    priority: int = 0
+    routing_key: str | None = None
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -166,6 +169,8 @@ class ClientGenerate(msgspec.Struct, tag=True):
     input_ids: list[int] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
+    priority: int = 0
+    routing_key: str | None = None
 
 
 class ClientAbort(msgspec.Struct, tag=True):

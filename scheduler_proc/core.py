@@ -17,7 +17,8 @@ import numpy as np
 
 from ipc.messages import FinishReason
 from scheduler_proc.kv_allocator import ReqSlotAllocator, TokenSlotAllocator
-from scheduler_proc.policies import QueuePolicy, make_queue_policy
+from scheduler_proc.policies import QueuePolicy, apply_priority, make_queue_policy
+from scheduler_proc.prefill_adder import PrefillAdder, make_admission_policy
 from scheduler_proc.req import Req, ReqState
 from scheduler_proc.schedule_batch import BatchRow, ScheduleBatch
 
@@ -33,7 +34,17 @@ class SchedulerConfig:
     max_prefill_tokens: int  # prompt tokens one step may compute
     max_context_len: int
     eos_token_ids: tuple[int, ...] = ()
+    chunked_prefill_size: int | None = None  # one request's prompt tokens per step; None: no chunking
+    enable_mixed_chunk: bool = True  # decodes ride in the same forward as prompt chunks
+    decode_first: bool = False  # see SchedulerCore.next_batch
     schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    prefill_admission_policy: str = "fifo"
+    admission_lookahead: int = 16
+    force_fifo_every: int = 0
+    waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
+    running_timeout: float | None = None  # seconds a request may run before it is aborted
+    seed: int = 0
     # Reservation for the outputs of running requests: ratio x remaining max_new_tokens.
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
@@ -56,13 +67,18 @@ class SchedulerCore:
         self.config = config
         self.token_pool = TokenSlotAllocator(config.max_total_tokens)
         self.req_pool = ReqSlotAllocator(config.max_running_requests)
-        self.queue_policy: QueuePolicy = make_queue_policy(config.schedule_policy)
+        self.queue_policy: QueuePolicy = make_queue_policy(config.schedule_policy, config.seed)
+        self.admission = make_admission_policy(config.prefill_admission_policy, config.admission_lookahead,
+                                               config.force_fifo_every)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stop_checker = stop_checker
         self.new_token_ratio = config.init_new_token_ratio
         self.step = 0
         self.num_retractions = 0
+        self.idle_check_failures = 0
+        self.last_batch_was_prefill = False
+        self.now: float | None = None  # the clock value the caller passed to next_batch
         self._eos = frozenset(config.eos_token_ids)
 
     # ---- requests in ---------------------------------------------------------------------
@@ -94,15 +110,30 @@ class SchedulerCore:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def next_batch(self) -> tuple[ScheduleBatch | None, list[ReqOutput]]:
-        """Plan the next forward. Also returns requests that had to end while planning
-        (e.g. a lone request the KV pool cannot grow any further)."""
-        ended: list[ReqOutput] = []
+    def next_batch(self, now: float | None = None) -> tuple[ScheduleBatch | None, list[ReqOutput]]:
+        """Plan the next forward. Also returns requests that ended while planning (timeouts, a
+        lone request the KV pool cannot grow any further).
+
+        Mixed mode (default): every step runs each decoding request one token and admits
+        prompts alongside; with decode_first the decodes also count against the step's token
+        budget. Unmixed: a step is either prompts only (prefill first, as SGLang) or decodes
+        only; with decode_first a pending decode step goes before the next prompt step."""
+        self.now = now
+        ended = self._check_timeouts(now) if now is not None else []
         batch = ScheduleBatch(step=self.step)
-        ended += self._schedule_decodes(batch)
-        self._schedule_prefills(batch)
+        if self.config.enable_mixed_chunk:
+            ended += self._schedule_decodes(batch)
+            spent = len(batch.rows) if self.config.decode_first else 0
+            self._schedule_prefills(batch, self.config.max_prefill_tokens - spent)
+        else:
+            has_decodes = any(r.num_pending == 1 for r in self.running)
+            if not (self.config.decode_first and has_decodes and self.last_batch_was_prefill):
+                self._schedule_prefills(batch, self.config.max_prefill_tokens)
+            if not batch.rows:
+                ended += self._schedule_decodes(batch)
         if not batch.rows:
             return None, ended
+        self.last_batch_was_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in batch.rows)
         self.step += 1
         return batch, ended
 
@@ -144,33 +175,54 @@ class SchedulerCore:
             self._extend(batch, req, 1)
         return ended
 
-    def _schedule_prefills(self, batch: ScheduleBatch) -> None:
-        budget = self.config.max_prefill_tokens
+    def _schedule_prefills(self, batch: ScheduleBatch, input_budget: int) -> None:
+        cfg = self.config
+        adder = PrefillAdder(
+            rem_total=self.token_pool.num_free - self._reserved_tokens(),
+            rem_input=input_budget,
+            chunk_size=cfg.chunked_prefill_size,
+            pool_free=self.token_pool.num_free,
+            nothing_running=not self.running,
+        )
         # A request whose prompt was chunked last step resumes first.
         for req in self.running:
-            if req.num_pending > 1 and budget > 0:
-                chunk = min(req.num_pending, budget, self.token_pool.num_free)
-                if chunk > 0:
-                    self._extend(batch, req, chunk)
-                    budget -= chunk
-        self.queue_policy.order(self.waiting)
-        while self.waiting and budget > 0 and self.req_pool.num_free > 0:
-            req = self.waiting[0]
-            chunk = min(req.num_pending, budget)
-            # Admit only if the pool keeps room for this prompt and the expected outputs of
-            # everything running (retraction handles a wrong estimate).
-            need = req.num_pending + self._expected_output(req)
-            if self.token_pool.num_free - self._reserved_tokens() < need:
-                if self.running or batch.rows:
-                    break
-                if self.token_pool.num_free < chunk:
-                    break
-            self.waiting.popleft()
+            if req.num_pending > 1:
+                n = min(req.num_pending, adder.rem_input, cfg.chunked_prefill_size or req.num_pending,
+                        self.token_pool.num_free)
+                if n > 0:
+                    adder.add(n, n, 0)
+                    adder.rem_total += n  # its KV is already in the reservation for running requests
+                    adder.chunked = n < req.num_pending
+                    self._extend(batch, req, n)
+        self.queue_policy.order(self.waiting, self.running)
+        if cfg.enable_priority_scheduling:
+            apply_priority(self.waiting)
+
+        def admit(req: Req, n: int) -> None:
+            self.waiting.remove(req)
+            adder.add(n, req.num_pending, self._expected_output(req))
             req.req_pool_idx = self.req_pool.alloc()
             req.state = ReqState.RUNNING
+            if req.started is None:
+                req.started = self.now
             self.running.append(req)
-            self._extend(batch, req, chunk)
-            budget -= chunk
+            self._extend(batch, req, n)
+
+        self.admission.admit(self.waiting, adder, self._expected_output, admit,
+                             lambda: self.req_pool.num_free > 0)
+
+    def _check_timeouts(self, now: float) -> list[ReqOutput]:
+        cfg, ended = self.config, []
+        if cfg.waiting_timeout is not None:
+            for req in [r for r in self.waiting if now - r.arrival > cfg.waiting_timeout]:
+                self.waiting.remove(req)
+                ended.append(self._finish(req, FinishReason(
+                    "abort", message=f"waited more than {cfg.waiting_timeout:g} s in the queue")))
+        if cfg.running_timeout is not None:
+            for req in [r for r in self.running if r.started is not None and now - r.started > cfg.running_timeout]:
+                ended.append(self._finish(req, FinishReason(
+                    "abort", message=f"ran more than {cfg.running_timeout:g} s")))
+        return ended
 
     def _extend(self, batch: ScheduleBatch, req: Req, n: int) -> None:
         slots = self.token_pool.alloc(n)
@@ -204,7 +256,7 @@ class SchedulerCore:
             return FinishReason("stop", matched=token)
         if not sp.ignore_eos and token in self._eos and len(req.output_ids) >= sp.min_new_tokens:
             return FinishReason("stop", matched=token)
-        if sp.stop and self.stop_checker is not None:
+        if (sp.stop or sp.stop_regex) and self.stop_checker is not None:
             matched = self.stop_checker(req)
             if matched is not None:
                 return FinishReason("stop", matched=matched)
@@ -251,6 +303,7 @@ class SchedulerCore:
             "req_slots_free": self.req_pool.num_free,
             "new_token_ratio": self.new_token_ratio,
             "num_retractions": self.num_retractions,
+            "idle_check_failures": self.idle_check_failures,
             "step": self.step,
         }
 
@@ -263,4 +316,5 @@ class SchedulerCore:
             problems.append(f"{self.token_pool.capacity - self.token_pool.num_free} KV slots leaked")
         if self.req_pool.num_free != self.req_pool.capacity:
             problems.append(f"{self.req_pool.capacity - self.req_pool.num_free} request slots leaked")
+        self.idle_check_failures += bool(problems)
         return problems

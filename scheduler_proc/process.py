@@ -4,6 +4,7 @@ worker and the detokenizer. One batch is in flight at a time (overlap mode comes
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import zmq
@@ -19,20 +20,29 @@ from scheduler_proc.req import Req
 log = logging.getLogger("loom.scheduler")
 
 
-class StopStringChecker:
-    """Decodes only the tail of a request's output to look for its stop strings."""
+class StopChecker:
+    """Decodes only the tail of a request's output to look for its stop strings and regexes;
+    returns the matched text."""
+
+    REGEX_WINDOW = 64  # tokens a stop_regex match may span
 
     def __init__(self, decoder):
         self.decoder = decoder
+        self.patterns: dict[str, re.Pattern] = {}
 
     def __call__(self, req: Req) -> str | None:
-        stops = req.sampling.stop
+        sp = req.sampling
         # A token decodes to at least one byte, so this many tokens cover the longest stop.
-        window = max(len(s.encode()) for s in stops) + 1
-        tail = self.decoder.decode(req.output_ids[-window:], skip_special_tokens=req.sampling.skip_special_tokens)
-        for s in stops:
+        window = max([len(s.encode()) + 1 for s in sp.stop] + [self.REGEX_WINDOW if sp.stop_regex else 0])
+        tail = self.decoder.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)
+        for s in sp.stop:
             if s in tail:
                 return s
+        for pattern in sp.stop_regex:
+            compiled = self.patterns.get(pattern) or self.patterns.setdefault(pattern, re.compile(pattern))
+            match = compiled.search(tail)
+            if match and match.group(0):
+                return match.group(0)
         return None
 
 
@@ -62,9 +72,18 @@ class SchedulerProcess:
                 max_prefill_tokens=args["max_prefill_tokens"],
                 max_context_len=ready.max_context_len,
                 eos_token_ids=eos,
+                chunked_prefill_size=None if args["chunked_prefill_size"] <= 0 else args["chunked_prefill_size"],
+                enable_mixed_chunk=args["enable_mixed_chunk"],
+                decode_first=args["decode_first"],
                 schedule_policy=args["schedule_policy"],
+                enable_priority_scheduling=args["enable_priority_scheduling"],
+                prefill_admission_policy=args["prefill_admission_policy"],
+                admission_lookahead=args["admission_lookahead"],
+                force_fifo_every=args["force_fifo_every"],
+                waiting_timeout=args["waiting_timeout"],
+                running_timeout=args["running_timeout"],
             ),
-            stop_checker=StopStringChecker(decoder),
+            stop_checker=StopChecker(decoder),
         )
         self.clock = time.monotonic
         report_ready({"max_total_tokens": ready.max_total_tokens, "max_context_len": ready.max_context_len,
@@ -75,7 +94,8 @@ class SchedulerProcess:
 
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
-            req = Req(msg.rid, msg.input_ids, msg.sampling, arrival=self.clock())
+            req = Req(msg.rid, msg.input_ids, msg.sampling, arrival=self.clock(), priority=msg.priority,
+                      routing_key=msg.routing_key)
             ended = self.core.add_request(req)
             if ended is not None:
                 self.emit([ended])
@@ -107,13 +127,14 @@ class SchedulerProcess:
     def run(self) -> None:
         while True:
             self.drain_requests()
-            batch, ended = self.core.next_batch()
+            batch, ended = self.core.next_batch(self.clock())
             self.emit(ended)
             if batch is None:
                 leaks = self.core.idle_leaks()
                 if leaks:
                     log.error("IDLE SELF-CHECK FAILED: %s", "; ".join(leaks))
-                self.requests.poll(-1)  # idle: sleep until a request arrives
+                # Idle: sleep until a request arrives (or a queued one's timeout may be due).
+                self.requests.poll(1000 if self.core.waiting or self.core.running else -1)
                 continue
             self.worker.send(batch.to_worker_batch())
             result = self.wait_result()

@@ -22,6 +22,9 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     arrival: float = 0.0  # clock value when added, for policies and timeouts
+    priority: int = 0  # higher first, with --enable-priority-scheduling
+    routing_key: str | None = None  # groups requests under the routing-key policy
+    started: float | None = None  # clock value of its first scheduled step (running timeout)
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     finish: FinishReason | None = None

@@ -118,7 +118,8 @@ def test_new_request_joins_while_others_decode():
 
 
 def test_long_prompt_is_chunked_by_the_step_budget_and_resumes_first():
-    core, worker = make_core(max_prefill_tokens=1024, max_context_len=4096, max_total_tokens=8192), FakeWorker()
+    core, worker = make_core(max_prefill_tokens=1024, chunked_prefill_size=1024, max_context_len=4096,
+                             max_total_tokens=8192), FakeWorker()
     long = req("long", 3000, 4, seed=1)
     core.add_request(long)
     core.add_request(req("short", 50, 4, seed=2))

@@ -48,7 +48,8 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAPI
         rid = body.get("rid")
 
         def start(t, i, r):
-            return manager.generate(text=t, input_ids=i, sampling=sampling, rid=r, stream=stream)
+            return manager.generate(text=t, input_ids=i, sampling=sampling, rid=r, stream=stream,
+                                    priority=body.get("priority") or 0, routing_key=body.get("routing_key"))
 
         if stream:
             gen = start(*prompts[0], rid)

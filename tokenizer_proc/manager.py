@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -51,8 +52,9 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         unknown = set(raw) - SAMPLING_FIELDS
         if unknown:
             raise RequestError(f"sampling_params: unknown field(s) {sorted(unknown)}")
-        if isinstance(raw.get("stop"), str):
-            raw["stop"] = [raw["stop"]]
+        for name in ("stop", "stop_regex"):
+            if isinstance(raw.get(name), str):
+                raw[name] = [raw[name]]
         try:
             sp = msgspec.convert(raw, SamplingParams, strict=False)
         except msgspec.ValidationError as e:
@@ -69,6 +71,11 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     for ok, message in checks:
         if not ok:
             raise RequestError(f"sampling_params: {message}")
+    for pattern in sp.stop_regex:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise RequestError(f"sampling_params: stop_regex {pattern!r} is not a valid regular expression: {e}") from None
     return sp
 
 
@@ -127,6 +134,8 @@ class TokenizerManager:
         sampling: SamplingParams | dict | None = None,
         rid: str | None = None,
         stream: bool = False,
+        priority: int = 0,
+        routing_key: str | None = None,
     ) -> AsyncIterator[dict]:
         """Yields result dicts: once at the end, or after every delta when streaming (text and
         output_ids cumulative). A consumer that stops early aborts the request."""
@@ -148,7 +157,7 @@ class TokenizerManager:
             return
         self.states[rid] = state
         try:
-            await self.to_scheduler.send(self.encoder.encode(GenerateReq(rid, ids, sp)))
+            await self.to_scheduler.send(self.encoder.encode(GenerateReq(rid, ids, sp, priority or 0, routing_key)))
             while True:
                 await state.event.wait()
                 state.event.clear()

@@ -1,0 +1,157 @@
+"""The budgets of one step's prompt admission, and the admission policies that spend them.
+
+PrefillAdder holds three budgets (as SGLang's does):
+- total: KV slots that may still be taken, after reserving for every running request an estimate
+  of its remaining output (`new_token_ratio` x remaining max_new_tokens, clipped per request);
+- input: prompt tokens this step may compute (`--max-prefill-tokens`);
+- chunk: prompt tokens of one request per step (`--chunked-prefill-size`; None = no chunking, a
+  prompt then goes whole, alone if it is larger than the input budget).
+A request cut into a chunk ends the step's admissions: it resumes first next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from scheduler_proc.req import Req
+
+
+@dataclass(slots=True)
+class PrefillAdder:
+    rem_total: int
+    rem_input: int
+    chunk_size: int | None
+    pool_free: int  # slots free right now (the total budget without the reservation)
+    nothing_running: bool  # a request alone may use the whole pool
+    rows: int = 0
+    chunked: bool = False
+
+    def fits(self, pending: int, reserve: int) -> int:
+        """Prompt tokens a request with `pending` uncomputed tokens may compute now (0: none)."""
+        if self.chunked or self.rem_input <= 0:
+            return 0
+        if self.chunk_size is None:
+            if pending > self.rem_input and self.rows > 0:
+                return 0
+            n = pending
+        else:
+            n = min(pending, self.rem_input, self.chunk_size)
+        if pending + reserve <= self.rem_total:
+            return n
+        # Nothing else holds KV: run it on what the pool has (retraction can't help anyway).
+        if self.nothing_running and self.rows == 0 and n <= self.pool_free:
+            return n
+        return 0
+
+    def add(self, n: int, pending: int, reserve: int) -> None:
+        self.rows += 1
+        self.rem_input -= n
+        self.rem_total -= pending + reserve
+        self.pool_free -= n
+        if n < pending:
+            self.chunked = True
+
+
+# ---- admission policies (`--prefill-admission-policy`) --------------------------------------
+
+Admit = Callable[["Req", int], None]  # (request, tokens to compute this step)
+Reserve = Callable[["Req"], int]  # expected output tokens of a request
+
+
+class AdmissionPolicy:
+    name = ""
+
+    def __init__(self, lookahead: int, force_fifo_every: int):
+        self.lookahead = lookahead
+        self.force_fifo_every = force_fifo_every
+
+    def admit(self, waiting: deque["Req"], adder: PrefillAdder, reserve: Reserve, admit: Admit,
+              can_admit: Callable[[], bool]) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def admit_in_order(waiting, adder, reserve, admit, can_admit) -> None:
+        """FIFO: admit from the head while it fits; the first that does not ends the step."""
+        while waiting and can_admit():
+            req = waiting[0]
+            n = adder.fits(req.num_pending, reserve(req))
+            if n == 0:
+                return
+            admit(req, n)
+
+
+_ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {}
+
+
+def register_admission_policy(name: str):
+    def wrap(cls):
+        _ADMISSION_POLICIES[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
+def make_admission_policy(name: str, lookahead: int = 16, force_fifo_every: int = 0) -> AdmissionPolicy:
+    try:
+        return _ADMISSION_POLICIES[name](lookahead, force_fifo_every)
+    except KeyError:
+        raise ValueError(f"unknown admission policy {name!r}; choose from {sorted(_ADMISSION_POLICIES)}") from None
+
+
+@register_admission_policy("fifo")
+class FifoAdmission(AdmissionPolicy):
+    def admit(self, waiting, adder, reserve, admit, can_admit):
+        self.admit_in_order(waiting, adder, reserve, admit, can_admit)
+
+
+@register_admission_policy("pack")
+class PackAdmission(AdmissionPolicy):
+    """Look ahead `lookahead` waiting requests and fill the step's budget greedily with the
+    cheapest whole prompts that fit, admitting the chosen ones in queue order, so a long head no
+    longer blocks short requests behind it. Every `force_fifo_every` admissions that passed the
+    head over, the head goes first in FIFO order, so it never starves; when nothing in the window
+    fits, the head goes FIFO too (alone or chunked, if it exceeds the whole budget)."""
+
+    def __init__(self, lookahead: int, force_fifo_every: int):
+        super().__init__(lookahead, force_fifo_every)
+        self.passed_over_head = 0  # admissions since the head was last taken
+
+    def admit(self, waiting, adder, reserve, admit, can_admit):
+        if not waiting:
+            return
+        if self.force_fifo_every and self.passed_over_head >= self.force_fifo_every:
+            head = waiting[0]
+            self.admit_in_order(waiting, adder, reserve, admit, can_admit)
+            if head not in waiting:
+                self.passed_over_head = 0
+            return
+        window = [waiting[i] for i in range(min(self.lookahead, len(waiting)))]
+        order = {id(r): i for i, r in enumerate(window)}
+        trial = PrefillAdder(adder.rem_total, adder.rem_input, None, adder.pool_free, adder.nothing_running,
+                             adder.rows)
+        chosen = []
+        for req in sorted(window, key=lambda r: (r.num_pending, order[id(r)])):
+            n = trial.fits(req.num_pending, reserve(req))
+            if n == req.num_pending and (adder.chunk_size is None or n <= adder.chunk_size):
+                trial.add(n, req.num_pending, reserve(req))
+                chosen.append(req)
+        if not chosen:
+            self.admit_in_order(waiting, adder, reserve, admit, can_admit)
+            self.passed_over_head = 0
+            return
+        head = waiting[0]
+        for req in sorted(chosen, key=lambda r: order[id(r)]):
+            if not can_admit():
+                break
+            n = adder.fits(req.num_pending, reserve(req))
+            if n == 0:
+                break
+            admit(req, n)
+            if req is head:
+                self.passed_over_head = 0
+            else:
+                self.passed_over_head += 1
