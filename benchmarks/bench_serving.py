@@ -597,8 +597,8 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
     print("\n".join([
         "=" * 78,
         *format_cpu_header(cpu),
-        f"torch      {_version('torch') or '-'}, {(server_info or {}).get('threads', '?')} threads in the "
-        f"server's worker (this header describes the client's machine)",
+        f"torch      {_version('torch') or '-'} (CPU and flags above: the client's machine); "
+        f"server worker threads: {(server_info or {}).get('threads', '?')}",
         *_server_lines(server_info),
         f"target     {args.backend} at {url}" + (f", model {model}" if args.backend == "openai" else ""),
         f"tokenizer  {tokenizer_name}",
