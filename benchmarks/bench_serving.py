@@ -14,11 +14,10 @@ Datasets (prompts are token ids from the server's tokenizer):
   sharegpt      --dataset-path FILE (ShareGPT JSON): the first human turn is the prompt, the
                 token count of the gpt reply the output length (too short / too long are skipped).
   head-of-line  prompts cycling through lengths --prompt-repeats x --hol-short-len (default
-                512,1,1,1 x 16: one 8192-token prompt, then three 16-token prompts, ...), each
+                512,1,1,1 x 1: one 512-token prompt, then three 1-token prompts, ...), each
                 generating --random-output-len tokens: how much one long prefill delays the short
                 requests queued behind it (TTFT is also broken down by prompt length). The long
-                prompt must fit the model's context: for an 8k-context model (loom's embedded
-                SmolLM2) use e.g. --prompt-repeats 32,1,1,1 (512 + 3 x 16 tokens) or --hol-short-len 8.
+                prompt must fit the model's context.
 
 Arrivals: all at once (--request-rate inf, the default) or Poisson with that mean rate (seeded);
 --max-concurrency caps the requests in flight.
@@ -107,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-repeats", default="512,1,1,1",
                    help="head-of-line: the cycle of prompt lengths, in multiples of --hol-short-len "
                         "(default: %(default)s)")
-    d.add_argument("--hol-short-len", type=int, default=16,
+    d.add_argument("--hol-short-len", type=int, default=1,
                    help="head-of-line: the short prompt's length, tokens (default: %(default)s)")
     d.add_argument("--seed", type=int, default=1, help="seed for prompts, lengths and arrivals (default: %(default)s)")
     t = p.add_argument_group("traffic")
@@ -182,7 +181,7 @@ def load_tokenizer(args: argparse.Namespace, server_info: dict[str, Any] | None)
         (server_info or {}).get("tokenizer_path"), (server_info or {}).get("model_path"), args.model]
     candidates = [c for c in candidates if c]
     if not candidates:
-        raise SystemExit("no tokenizer: pass --tokenizer (the server has no /get_server_info model_path)")
+        raise SystemExit(f"no tokenizer: pass --tokenizer (no model_path from {base_url(args)}/get_server_info)")
     errors = []
     for path in candidates:
         try:
