@@ -65,6 +65,9 @@ class ServerArgs:
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     schedule_policy: str = _arg("fcfs", "waiting-queue order: fcfs | lof | random | routing-key")
     num_threads: int | None = _arg(None, "torch threads in the worker (default: all cores)")
+    served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
+    api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
+    max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
     log_level: str = _arg("info", "debug | info | warning | error")
     startup_timeout_s: float = _arg(600.0, "give up if the processes are not ready by then")
 
@@ -211,7 +214,8 @@ class Engine:
         self._thread.start()
 
         async def make_manager():
-            m = TokenizerManager(self.launcher.endpoints, self.tokenizer, self.server_info["max_context_len"])
+            m = TokenizerManager(self.launcher.endpoints, self.tokenizer, self.server_info["max_context_len"],
+                                 self.args.max_queued_requests)
             m.start()
             return m
 
@@ -362,12 +366,13 @@ def serve(args: ServerArgs) -> None:
             **launcher.ready_info.get("worker", {})}
 
     async def run() -> None:
-        manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"])
+        manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"], args.max_queued_requests)
         manager.start()
         zmq_port = args.port + 1 if args.zmq_port is None else args.zmq_port
         frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}")
         frontend.start()
-        app = build_app(manager, {**info, "zmq_endpoint": frontend.address})
+        app = build_app(manager, {**info, "zmq_endpoint": frontend.address},
+                        args.served_model_name or model_dir.name, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=2, access_log=False)
         print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens) on "

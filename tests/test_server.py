@@ -26,11 +26,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self):
+    def __init__(self, *extra: str):
         self.port, self.zmq_port = free_port(), free_port()
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), "--zmq-port", str(self.zmq_port),
-             "--dtype", "float32", "--kv-cache-gb", "0.5", "--max-running-requests", "16"],
+             "--dtype", "float32", "--kv-cache-gb", "0.5", "--max-running-requests", "16", *extra],
             cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.output: list[str] = []
@@ -38,7 +38,7 @@ class Server:
         while time.time() < deadline:
             assert self.proc.poll() is None, "server died at start-up:\n" + self.read_output()
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:  # /health needs no key
                     return
             except httpx.HTTPError:
                 time.sleep(0.3)

@@ -6,18 +6,32 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import hmac
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenizer_proc.manager import RequestError, TokenizerManager
+from tokenizer_proc.manager import QueueFullError, RequestError, TokenizerManager
+from tokenizer_proc.openai_api import OpenAIServing, build_router
 
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
-def build_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAPI:
+def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name: str,
+              api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="loom")
+    app.include_router(build_router(OpenAIServing(manager, model_name, manager.context_len)))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse({"error": {"message": "missing or wrong API key (Authorization: Bearer ...)",
+                                               "type": "authentication_error", "code": 401}}, status_code=401)
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -51,12 +65,18 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAPI
             return manager.generate(text=t, input_ids=i, sampling=sampling, rid=r, stream=stream,
                                     priority=body.get("priority") or 0, routing_key=body.get("routing_key"))
 
+        try:
+            manager.ensure_capacity(len(prompts))
+        except QueueFullError as e:
+            return _error(503, str(e))
         if stream:
             gen = start(*prompts[0], rid)
             try:
                 first = await anext(gen)
             except RequestError as e:
                 return _error(400, str(e))
+            except QueueFullError as e:
+                return _error(503, str(e))
 
             async def sse():
                 try:
@@ -76,6 +96,8 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any]) -> FastAPI
             outs = [await _last(g) for g in results] if len(results) == 1 else await _gather(results)
         except RequestError as e:
             return _error(400, str(e))
+        except QueueFullError as e:
+            return _error(503, str(e))
         return outs if batch else outs[0]
 
     return app

@@ -27,6 +27,10 @@ class RequestError(ValueError):
     """A request a user got wrong: reported as HTTP 400 with this message."""
 
 
+class QueueFullError(RuntimeError):
+    """Too many requests in flight (`--max-queued-requests`): HTTP 503 at once."""
+
+
 @dataclass(slots=True)
 class ReqState:
     rid: str
@@ -80,9 +84,10 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
 
 
 class TokenizerManager:
-    def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int):
+    def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int, max_queued: int | None = None):
         self.tokenizer = tokenizer
         self.context_len = context_len
+        self.max_queued = max_queued
         self.ctx = zmq.asyncio.Context()
         self.to_scheduler = self.ctx.socket(zmq.PUSH)
         self.to_scheduler.setsockopt(zmq.LINGER, 0)
@@ -147,6 +152,7 @@ class TokenizerManager:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.context_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
+        self.ensure_capacity(1)
         rid = rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -170,6 +176,12 @@ class TokenizerManager:
             if self.states.pop(rid, None) is not None and state.finish is None and not self.dead:
                 # the consumer went away before the end: free the request's KV now
                 await self.abort(rid, "client disconnected")
+
+    def ensure_capacity(self, n: int) -> None:
+        """Refuse at once (before any stream starts) when n more requests would pass the limit."""
+        if self.max_queued is not None and len(self.states) + n > self.max_queued:
+            raise QueueFullError(f"the server holds {len(self.states)} requests and its limit is {self.max_queued} "
+                                 "(--max-queued-requests); retry later")
 
     async def abort(self, rid: str, message: str = "aborted by client") -> None:
         await self.to_scheduler.send(self.encoder.encode(AbortReq(rid, message)))

@@ -4,6 +4,10 @@ One pass over the [B, V] logits for the whole batch. Filters follow vLLM/SGLang 
 temperature-scaled distribution: top-k, then top-p, then min-p. A token is drawn as
 argmax(probs / q) with q = -log(U) ~ Exp(1), which samples exactly from `probs`. Seeded rows take
 U from a generator seeded by (seed, output_len), so their tokens don't depend on the batch.
+
+Penalties, logit_bias and min_new_tokens masking (worker_proc/penalties.py) run on the logits
+before `sample`, so they act before temperature and also steer greedy rows; logprobs are taken
+from the raw logits, not from what `sample` sees.
 """
 
 from __future__ import annotations

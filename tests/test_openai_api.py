@@ -1,0 +1,106 @@
+"""The OpenAI-compatible routes through the official `openai` SDK against a live server."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from test_server import Server
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", KEY, "--max-queued-requests", "40")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client, model):
+    assert model == "SmolLM2-135M-Instruct"
+
+
+def test_chat_completion(client, model):
+    r = client.chat.completions.create(model=model, temperature=0, max_tokens=32,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_content_as_parts_and_nulls(client, model):
+    r = client.chat.completions.create(model=model, temperature=0, max_tokens=32, top_p=None, seed=None,
+                                       messages=[{"role": "user", "content": [
+                                           {"type": "text", "text": "What is the capital "},
+                                           {"type": "text", "text": "of France?"}]}])
+    assert r.choices[0].message.content == "The capital of France is Paris."
+
+
+def test_streaming_chat_with_usage(client, model):
+    stream = client.chat.completions.create(model=model, temperature=0, max_tokens=32, stream=True,
+                                            stream_options={"include_usage": True},
+                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The capital of France is Paris."
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_completions_with_n_stop_and_length(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    full = r.choices[0].text
+    word = full.split()[1]
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  stop=[word])
+    assert r.choices[0].finish_reason == "stop" and word not in r.choices[0].text
+    assert full.startswith(r.choices[0].text)
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3,
+                                  seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1
+    echo = client.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Hello")
+
+
+def test_seed_reproducibility(client, model):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=1234)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_errors(server, client, model):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="8192"):
+        client.completions.create(model=model, prompt="hi", max_tokens=9000)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=-1)
+    r = httpx.post(server.url + "/v1/completions", content=b"{oops", headers={"Authorization": f"Bearer {KEY}",
+                                                                              "content-type": "application/json"})
+    assert r.status_code == 400
+    # the server still answers after every error
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_queue_full_is_503(server, model):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                   json={"model": model, "prompt": ["a"] * 41, "max_tokens": 1})
+    assert r.status_code == 503 and "max-queued-requests" in r.json()["error"]["message"]

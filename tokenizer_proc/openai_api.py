@@ -1,0 +1,335 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Requests are read leniently, as the OpenAI spec allows (null for any optional field, chat content
+as a string or a list of parts) plus the extras vLLM / SGLang clients send (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, regex stops);
+fields with no effect here (user, routing fields) are ignored. A wrong value is a 400 that names
+the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenizer_proc.manager import QueueFullError, RequestError, TokenizerManager
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.status}}, status_code=self.status)
+
+
+def _field(body: dict, name: str, kinds: type | tuple, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if kinds is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and kinds in (int, float, (int, float))):
+        want = getattr(kinds, "__name__", None) or " or ".join(k.__name__ for k in kinds)
+        raise ApiError(400, f"'{name}' must be {want}, got {json.dumps(value)[:60]}", name)
+    return value
+
+
+def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
+    max_tokens = None
+    for name in max_tokens_names:
+        max_tokens = _field(body, name, int, max_tokens)
+    stop = _field(body, "stop", (str, list), [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    logit_bias = _field(body, "logit_bias", dict, {})
+    try:
+        logit_bias = {int(k): float(v) for k, v in logit_bias.items()}
+    except (TypeError, ValueError):
+        raise ApiError(400, "'logit_bias' maps token ids to numbers", "logit_bias") from None
+    sampling = {
+        "max_new_tokens": max_tokens,
+        "temperature": _field(body, "temperature", float),
+        "top_p": _field(body, "top_p", float),
+        "top_k": _field(body, "top_k", int),
+        "min_p": _field(body, "min_p", float),
+        "seed": _field(body, "seed", int),
+        "stop": stop,
+        "stop_regex": _field(body, "stop_regex", (str, list)),
+        "stop_token_ids": _field(body, "stop_token_ids", list),
+        "ignore_eos": _field(body, "ignore_eos", bool),
+        "skip_special_tokens": _field(body, "skip_special_tokens", bool),
+        "min_new_tokens": _field(body, "min_tokens", int),
+    }
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        value = _field(body, name, float)
+        if value is not None and value != neutral:
+            raise ApiError(400, f"'{name}' is not supported yet", name)
+    if logit_bias:
+        raise ApiError(400, "'logit_bias' is not supported yet", "logit_bias")
+    return {k: v for k, v in sampling.items() if v is not None}
+
+
+class OpenAIServing:
+    def __init__(self, manager: TokenizerManager, model_name: str, context_len: int):
+        self.manager = manager
+        self.model_name = model_name
+        self.context_len = context_len
+        self.created = int(time.time())
+
+    def check_model(self, body: dict) -> str:
+        model = _field(body, "model", str, self.model_name)
+        if model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                           "model", "model_not_found")
+        return model
+
+    def check_common(self, body: dict) -> tuple[int, bool, bool]:
+        n = _field(body, "n", int, 1)
+        if n < 1 or n > 64:
+            raise ApiError(400, "'n' must be between 1 and 64", "n")
+        best_of = _field(body, "best_of", int)
+        if best_of is not None and best_of != n:
+            raise ApiError(400, "'best_of' other than n is not supported", "best_of")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise ApiError(400, "'logprobs' is not supported yet", "logprobs")
+        stream = _field(body, "stream", bool, False)
+        options = _field(body, "stream_options", dict, {})
+        include_usage = bool(options.get("include_usage")) if stream else False
+        return n, stream, include_usage
+
+    def check_length(self, prompt_len: int, sampling: dict) -> None:
+        max_new = sampling.get("max_new_tokens")
+        if max_new is not None and prompt_len + max_new > self.context_len:
+            raise ApiError(400, f"This model's maximum context length is {self.context_len} tokens. However, you "
+                                f"requested {prompt_len + max_new} tokens ({prompt_len} in the prompt, {max_new} for "
+                                f"the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        if max_new is None:  # as vLLM: the rest of the context
+            sampling["max_new_tokens"] = self.context_len - prompt_len
+
+    # ---- completions --------------------------------------------------------------------
+
+    async def completions(self, body: dict):
+        model = self.check_model(body)
+        n, stream, include_usage = self.check_common(body)
+        sampling = _sampling(body, ("max_tokens",))
+        sampling.setdefault("max_new_tokens", 16)  # the OpenAI default for completions
+        echo = _field(body, "echo", bool, False)
+        if body.get("suffix") is not None:
+            raise ApiError(400, "'suffix' is not supported", "suffix")
+        prompts = self._prompts(body.get("prompt"))
+        encoded = [self.manager.tokenize(p, None) if isinstance(p, str) else p for p in prompts]
+        for ids in encoded:
+            if not ids:
+                raise ApiError(400, "the prompt is empty", "prompt")
+            self.check_length(len(ids), dict(sampling))
+        texts = [p if isinstance(p, str) else self.manager.tokenizer.decode(p) for p in prompts]
+        jobs = [(i * n + k, ids, self._choice_sampling(sampling, k)) for i, ids in enumerate(encoded) for k in range(n)]
+        self.manager.ensure_capacity(len(jobs))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if stream:
+            return self._stream(rid, "text_completion", model, jobs, sum(map(len, encoded)), include_usage,
+                                lambda idx, delta, finish: {"index": idx, "text": delta, "logprobs": None,
+                                                            "finish_reason": finish},
+                                prefix={idx: texts[idx // n] for idx, _, _ in jobs} if echo else None)
+        outs = await self._run_all(jobs)
+        choices = [{"index": idx, "text": (texts[idx // n] if echo else "") + out["text"], "logprobs": None,
+                    "finish_reason": _finish(out)} for idx, out in outs]
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": self._usage(sum(map(len, encoded)), [o for _, o in outs])}
+
+    @staticmethod
+    def _prompts(prompt: Any) -> list[str | list[int]]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return list(prompt)
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return [prompt]
+            if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+                return list(prompt)
+        raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+                            "of token ids", "prompt")
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    async def chat(self, body: dict):
+        model = self.check_model(body)
+        n, stream, include_usage = self.check_common(body)
+        sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
+        if body.get("tools"):
+            raise ApiError(400, "'tools' (function calling) is not supported", "tools")
+        messages = _field(body, "messages", list)
+        if not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        conversation = [_chat_message(m, i) for i, m in enumerate(messages)]
+        try:
+            prompt = self.manager.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                                tokenize=False)
+        except Exception as e:  # a template that rejects the roles or order
+            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        ids = self.manager.tokenizer.encode(prompt, add_special_tokens=False)
+        self.check_length(len(ids), sampling)
+        jobs = [(k, ids, self._choice_sampling(sampling, k)) for k in range(n)]
+        self.manager.ensure_capacity(len(jobs))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if stream:
+            return self._stream(rid, "chat.completion.chunk", model, jobs, len(ids), include_usage,
+                                lambda idx, delta, finish: {"index": idx, "delta": delta, "logprobs": None,
+                                                            "finish_reason": finish},
+                                chat=True)
+        outs = await self._run_all(jobs)
+        choices = [{"index": idx, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
+                    "finish_reason": _finish(out)} for idx, out in outs]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": self._usage(len(ids), [o for _, o in outs])}
+
+    # ---- shared -------------------------------------------------------------------------
+
+    @staticmethod
+    def _choice_sampling(sampling: dict, k: int) -> dict:
+        # n choices of one seeded request must differ from each other yet be reproducible
+        if k and sampling.get("seed") is not None:
+            return {**sampling, "seed": sampling["seed"] + k}
+        return sampling
+
+    async def _run_all(self, jobs) -> list[tuple[int, dict]]:
+        async def one(idx, ids, sampling):
+            last = None
+            async for last in self.manager.generate(input_ids=ids, sampling=sampling):
+                pass
+            return idx, last
+
+        return list(await asyncio.gather(*(one(*job) for job in jobs)))
+
+    @staticmethod
+    def _usage(prompt_tokens: int, outs: list[dict]) -> dict:
+        """Prompt tokens count once per prompt (not per choice), as OpenAI reports them."""
+        completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, make_choice, prefix=None, chat=False):
+        """SSE chunks of every choice as they come, then a usage chunk if asked, then [DONE].
+        Validation already happened, so errors here are the engine's, reported in-stream."""
+        queue: asyncio.Queue = asyncio.Queue()
+        gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True) for _, ids, s in jobs]
+
+        async def pump(idx, gen):
+            sent = 0
+            try:
+                if chat:
+                    await queue.put(make_choice(idx, {"role": "assistant", "content": ""}, None))
+                elif prefix is not None:
+                    await queue.put(make_choice(idx, prefix[idx], None))
+                async for out in gen:
+                    delta, sent = out["text"][sent:], len(out["text"])
+                    finish = _finish(out) if out["meta_info"]["finish_reason"] else None
+                    if delta or finish:
+                        await queue.put(make_choice(idx, {"content": delta} if chat else delta, finish))
+                    if finish:
+                        await queue.put(("usage", out))
+            finally:
+                await queue.put(("done", idx))
+
+        def chunk(payload: dict) -> str:
+            return f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model, **payload})}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            tasks = [asyncio.create_task(pump(idx, g)) for (idx, _, _), g in zip(jobs, gens)]
+            finished, outs = 0, []
+            try:
+                while finished < len(tasks):
+                    item = await queue.get()
+                    if isinstance(item, tuple):
+                        if item[0] == "done":
+                            finished += 1
+                        else:
+                            outs.append(item[1])
+                        continue
+                    yield chunk({"choices": [item]})
+                for t in tasks:
+                    if t.exception() is not None:
+                        yield f"data: {json.dumps({'error': {'message': str(t.exception()), 'code': 500}})}\n\n"
+                if include_usage:
+                    yield chunk({"choices": [], "usage": self._usage(prompt_tokens, outs)})
+                yield "data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for g in gens:
+                    await g.aclose()  # a client gone mid-stream: abort what is still running
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _finish(out: dict) -> str | None:
+    reason = out["meta_info"]["finish_reason"]
+    return None if reason is None else reason["type"]
+
+
+def _chat_message(m: Any, i: int) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+    content = m.get("content")
+    if isinstance(content, list):  # a list of parts: keep the text ones
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            texts.append(part.get("text") or "")
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content")
+    return {"role": m["role"], "content": content}
+
+
+def build_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    async def read_json(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
+
+    async def handle(request: Request, fn):
+        try:
+            result = await fn(await read_json(request))
+        except ApiError as e:
+            return e.response()
+        except RequestError as e:
+            return ApiError(400, str(e)).response()
+        except QueueFullError as e:
+            return ApiError(503, str(e), kind="server_overloaded").response()
+        return result
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": serving.created,
+                                            "owned_by": "loom", "max_model_len": serving.context_len}]}
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, serving.completions)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, serving.chat)
+
+    return router
