@@ -22,6 +22,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
 
     @property
     def is_greedy(self) -> bool:
@@ -72,6 +76,7 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     req_pool_indices: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
+    prompt_lens: list[int]  # positions >= prompt_len are output tokens (penalties count them)
     sample_rows: list[int]  # rows whose last position is sampled (prompt complete)
     sampling: list[SamplingParams]  # one per sample row
     output_lens: list[int]  # tokens each sampled request has generated so far (seeded noise)

@@ -49,6 +49,7 @@ class ScheduleBatch:
             req_pool_indices=[r.req.req_pool_idx for r in self.rows],
             prefix_lens=[r.prefix_len for r in self.rows],
             extend_lens=[r.extend_len for r in self.rows],
+            prompt_lens=[len(r.req.input_ids) for r in self.rows],
             sample_rows=sample_rows,
             sampling=[self.rows[i].req.sampling for i in sample_rows],
             output_lens=[len(self.rows[i].req.output_ids) for i in sample_rows],

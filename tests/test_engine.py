@@ -141,3 +141,22 @@ def test_bad_sampling_params_are_rejected_with_the_field(engine):
     with pytest.raises(RequestError, match="unknown"):
         engine.generate("hi", {"temprature": 0})
     assert engine.generate("hi", {"max_new_tokens": 2, "temperature": None})["meta_info"]["completion_tokens"] == 2
+
+
+def test_penalties_logit_bias_and_min_tokens_take_effect(engine):
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                  add_generation_prompt=True, tokenize=False)
+    base = engine.generate(prompt, {**GREEDY, "max_new_tokens": 32})
+    forced = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    out = engine.generate(prompt, {**GREEDY, "max_new_tokens": 4, "logit_bias": {forced: 100.0}})
+    assert out["output_ids"] == [forced] * 4
+    out = engine.generate(prompt, {**GREEDY, "max_new_tokens": 20, "min_new_tokens": 12})
+    assert len(out["output_ids"]) >= 12 and out["output_ids"][:8] != base["output_ids"]  # EOS masked until 12
+    story = engine.generate("Repeat after me: la la la la la la", {**GREEDY, "max_new_tokens": 24,
+                                                                    "ignore_eos": True})
+    penalized = engine.generate("Repeat after me: la la la la la la", {
+        **GREEDY, "max_new_tokens": 24, "ignore_eos": True, "frequency_penalty": 2.0, "presence_penalty": 1.0})
+    assert penalized["output_ids"] != story["output_ids"]
+    counts = lambda ids: max(ids.count(t) for t in set(ids))
+    assert counts(penalized["output_ids"]) < counts(story["output_ids"])
+    assert_no_leak(engine)

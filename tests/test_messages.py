@@ -18,7 +18,7 @@ def test_round_trip_and_tagged_union():
     b"\x80\x04\x95",  # a pickle header
     msgspec.msgpack.encode({"type": "os.system", "rid": "x"}),
     msgspec.msgpack.encode({"type": "GenerateReq", "rid": "x", "input_ids": "not a list", "sampling": {}}),
-    msgspec.msgpack.encode(ModelWorkerBatch(0, b"", b"", [], [], [], [], [], [])),  # right wire, wrong channel
+    msgspec.msgpack.encode(ModelWorkerBatch(0, b"", b"", [], [], [], [], [], [], [])),  # right wire, wrong channel
 ])
 def test_malformed_or_foreign_frames_are_rejected(frame):
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):

@@ -70,6 +70,10 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         (0 < sp.top_p <= 1, "top_p must be in (0, 1]"),
         (sp.top_k == -1 or sp.top_k >= 1, "top_k must be -1 (off) or >= 1"),
         (0 <= sp.min_p <= 1, "min_p must be in [0, 1]"),
+        (sp.repetition_penalty > 0, "repetition_penalty must be > 0"),
+        (-2 <= sp.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+        (-2 <= sp.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+        (all(-100 <= b <= 100 for b in sp.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         (all(isinstance(s, str) and s for s in sp.stop), "stop must be non-empty strings"),
     ]
     for ok, message in checks:
@@ -86,6 +90,7 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
 class TokenizerManager:
     def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int, max_queued: int | None = None):
         self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
         self.context_len = context_len
         self.max_queued = max_queued
         self.ctx = zmq.asyncio.Context()
@@ -125,8 +130,8 @@ class TokenizerManager:
         if input_ids is not None:
             if text is not None:
                 raise RequestError("give either text or input_ids, not both")
-            if not all(isinstance(t, int) and 0 <= t for t in input_ids):
-                raise RequestError("input_ids must be non-negative integers")
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
+                raise RequestError(f"input_ids must be integers in 0..{self.vocab_size - 1}")
             return list(input_ids)
         if not isinstance(text, str):
             raise RequestError("text (a string) or input_ids (a list of integers) is required")
@@ -147,6 +152,9 @@ class TokenizerManager:
         if self.dead:
             raise RuntimeError(self.dead)
         sp = parse_sampling_params(sampling)
+        bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"sampling_params: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         ids = self.tokenize(text, input_ids)
         if not ids:
             raise RequestError("the prompt is empty")

@@ -69,13 +69,11 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
         "ignore_eos": _field(body, "ignore_eos", bool),
         "skip_special_tokens": _field(body, "skip_special_tokens", bool),
         "min_new_tokens": _field(body, "min_tokens", int),
+        "presence_penalty": _field(body, "presence_penalty", float),
+        "frequency_penalty": _field(body, "frequency_penalty", float),
+        "repetition_penalty": _field(body, "repetition_penalty", float),
+        "logit_bias": logit_bias,
     }
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        value = _field(body, name, float)
-        if value is not None and value != neutral:
-            raise ApiError(400, f"'{name}' is not supported yet", name)
-    if logit_bias:
-        raise ApiError(400, "'logit_bias' is not supported yet", "logit_bias")
     return {k: v for k, v in sampling.items() if v is not None}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 import torch
 
 from ipc.messages import ModelWorkerBatch
@@ -14,6 +16,7 @@ from worker_proc.kv_cache import KVPool
 from worker_proc.model_config import ModelConfig
 from worker_proc.model_loader import iter_checkpoint_tensors
 from worker_proc.models import MODEL_CLASSES
+from worker_proc.penalties import OutputTokenCounts, PenaltyBatch, PromptTokenMask
 from worker_proc.sampler import SamplingBatch, sample
 
 log = logging.getLogger("loom.worker")
@@ -28,6 +31,7 @@ class RunnerConfig:
     context_length: int | None = None
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | torch | cpu_kernel
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float) -> int:
@@ -66,14 +70,41 @@ class ModelRunner:
         self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim,
                                    decode_kernel=_decode_kernel(rc.attention_backend, rc.device))
         self.attention_backend = "cpu_kernel" if self.attn.decode_kernel is not None else "torch"
+        self.eos_token_ids = tuple(rc.eos_token_ids) or self.config.eos_token_ids
+        # Per request slot: output token counts and prompt tokens, for the penalties.
+        self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)
+        self.prompt_tokens = PromptTokenMask(rc.max_running_requests, self.config.vocab_size, rc.device)
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> list[int]:
         fb = ForwardBatch.from_worker_batch(batch)
         self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.out_cache_loc)
         self.attn.prepare(fb)
+        self._record_tokens(fb, batch.prompt_lens)
         logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
         if not batch.sampling:
             return []
+        pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, logits.device,
+                                self.eos_token_ids)
+        if not pb.is_noop:
+            slots = fb.req_pool_indices[batch.sample_rows]
+            logits = pb.apply(logits, self.output_counts.gather(slots) if pb.needs_counts else None,
+                              self.prompt_tokens.gather(slots) if pb.needs_prompt_mask else None)
         sb = SamplingBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, logits.device)
         return sample(logits, sb).tolist()
+
+    def _record_tokens(self, fb: ForwardBatch, prompt_lens: list[int]) -> None:
+        """Keep each slot's prompt-token mask and output-token counts current from the tokens it is
+        fed: every output token is fed exactly once (the step after it is sampled, or again in a
+        re-prefill after a retraction, which starts the slot over), so counts at sampling time
+        cover the whole output so far."""
+        starts = torch.from_numpy(fb.req_pool_indices[fb.prefix_lens == 0])
+        if len(starts):
+            self.output_counts.reset(starts)
+            self.prompt_tokens.reset(starts)
+        slot_of_token = torch.from_numpy(np.repeat(fb.req_pool_indices, fb.extend_lens))
+        prompt_len_of_token = torch.from_numpy(np.repeat(np.asarray(prompt_lens, dtype=np.int64), fb.extend_lens))
+        is_output = fb.positions >= prompt_len_of_token
+        self.output_counts.add(slot_of_token[is_output], fb.input_ids[is_output])
+        is_prompt = ~is_output
+        self.prompt_tokens.mask[slot_of_token[is_prompt], fb.input_ids[is_prompt]] = True

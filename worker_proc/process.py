@@ -32,7 +32,8 @@ def main(config: ChildConfig, report_ready) -> None:
         runner = ModelRunner(RunnerConfig(
             model_dir=config.model_dir, dtype=dtype, kv_cache_gb=args["kv_cache_gb"],
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
-            device=args["device"], attention_backend=args["attention_backend"]))
+            device=args["device"], attention_backend=args["attention_backend"],
+            eos_token_ids=tuple(args.get("eos_token_ids") or ())))
     except Exception as e:
         results.send(WorkerError(f"{type(e).__name__}: {e}"))
         raise
