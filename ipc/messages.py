@@ -26,6 +26,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = {}
+    logprobs: bool = False  # return each output token's logprob (of the raw model distribution)
+    top_logprobs: int = 0  # and this many most likely alternatives per position
 
     @property
     def is_greedy(self) -> bool:
@@ -98,10 +100,16 @@ class WorkerReady(msgspec.Struct, tag=True):
     device: str
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]] = []  # (token id, logprob), most likely first
+
+
 class BatchResult(msgspec.Struct, tag=True):
     step: int
     next_token_ids: list[int]  # one per sample row
     forward_s: float
+    logprobs: list[TokenLogprobs | None] = []  # one per sample row when any row asked
 
 
 class WorkerError(msgspec.Struct, tag=True):
@@ -122,6 +130,7 @@ class TokenDelta(msgspec.Struct, omit_defaults=True):
     stop: list[str] = []
     skip_special_tokens: bool = True
     retractions: int = 0
+    logprobs: list[TokenLogprobs] = []  # one per new id when the request asked
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -136,6 +145,7 @@ class TextDelta(msgspec.Struct, omit_defaults=True):
     completion_tokens: int
     finish: FinishReason | None = None
     retractions: int = 0
+    logprobs: list[TokenLogprobs] = []
 
 
 class BatchTextOut(msgspec.Struct, tag=True):

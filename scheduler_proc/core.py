@@ -137,16 +137,22 @@ class SchedulerCore:
         self.step += 1
         return batch, ended
 
-    def on_result(self, batch: ScheduleBatch, next_token_ids: Iterable[int]) -> list[ReqOutput]:
-        """Apply a step's sampled tokens (one per sampling row, in row order)."""
+    def on_result(self, batch: ScheduleBatch, next_token_ids: Iterable[int],
+                  logprobs: list | None = None) -> list[ReqOutput]:
+        """Apply a step's sampled tokens (one per sampling row, in row order) and, for requests
+        that asked, their logprobs (opaque to the core; kept aligned with output_ids)."""
         outputs: list[ReqOutput] = []
         tokens = iter(next_token_ids)
+        lps = iter(logprobs or ())
         for row in batch.rows:
             req = row.req
             token = next(tokens) if row.samples else None
+            lp = next(lps, None) if row.samples else None
             if req.state is not ReqState.RUNNING or token is None:
                 continue  # aborted while in flight, or a prompt chunk that samples nothing
             req.output_ids.append(token)
+            if lp is not None:
+                req.output_logprobs.append(lp)
             finish = self._check_finish(req, token)
             if finish is not None:
                 outputs.append(self._finish(req, finish))

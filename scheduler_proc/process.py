@@ -116,10 +116,12 @@ class SchedulerProcess:
         items = []
         for o in outputs:
             r = o.req
+            first = len(r.output_ids) - len(o.new_ids)
             items.append(TokenDelta(
                 rid=r.rid, new_ids=o.new_ids, prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids),
                 finish=r.finish if o.finished else None, stop=r.sampling.stop,
-                skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions))
+                skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions,
+                logprobs=r.output_logprobs[first:] if r.sampling.logprobs else []))
         self.detokenizer.send(BatchTokenOut(items))
 
     # ---- loop ------------------------------------------------------------------------------
@@ -138,7 +140,7 @@ class SchedulerProcess:
                 continue
             self.worker.send(batch.to_worker_batch())
             result = self.wait_result()
-            self.emit(self.core.on_result(batch, result.next_token_ids))
+            self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
 
     def wait_result(self) -> BatchResult:
         # Requests that arrive during the forward are queued now, so they join the next step.

@@ -33,6 +33,7 @@ class Req:
     req_pool_idx: int = -1
     retractions: int = 0
     sent_ids: int = 0  # output ids already handed to the detokenizer
+    output_logprobs: list = field(default_factory=list)  # per output id, when the request asked
 
     def fill_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole list."""

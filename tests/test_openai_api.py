@@ -104,3 +104,37 @@ def test_queue_full_is_503(server, model):
     r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
                    json={"model": model, "prompt": ["a"] * 41, "max_tokens": 1})
     assert r.status_code == 503 and "max-queued-requests" in r.json()["error"]["message"]
+
+
+def test_logprobs_match_hf_log_softmax(client, model, hf_smollm2, smollm2_tokenizer):
+    import torch
+
+    prompt = "The capital of France is"
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    ids = smollm2_tokenizer.encode(prompt)
+    with torch.inference_mode():
+        out = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    gen = out.sequences[0, len(ids):].tolist()
+    for step, (token_id, logits) in enumerate(zip(gen, out.logits)):
+        ref = torch.log_softmax(logits[0].float(), -1)
+        assert abs(lp.token_logprobs[step] - ref[token_id].item()) < 1e-4
+        top_ref = ref.topk(3)
+        assert list(lp.top_logprobs[step].values()) == pytest.approx(top_ref.values.tolist(), abs=1e-4)
+        assert lp.tokens[step] == smollm2_tokenizer.decode([token_id])
+
+
+def test_chat_logprobs_streaming_and_not(client, model):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content).startswith(r.choices[0].message.content)  # + the EOS token
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert all(c.logprob <= 0 for c in content)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8,
+                                                 logprobs=True, stream=True))
+    streamed = [c for ch in chunks for c in ((ch.choices[0].logprobs.content or []) if ch.choices and ch.choices[0].logprobs else [])]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)

@@ -40,6 +40,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     retractions: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per output id, when asked
     event: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_at: float | None = None
 
@@ -220,6 +221,9 @@ class TokenizerManager:
                 "retractions": state.retractions,
                 "e2e_latency": now - state.created,
                 "ttft": (state.first_token_at - state.created) if state.first_token_at else None,
+                # as SGLang: (logprob, token id) per output token, and the top alternatives
+                "output_token_logprobs": [(lp.logprob, tid) for lp, tid in zip(state.logprobs, state.output_ids)],
+                "output_top_logprobs": [[(v, t) for t, v in lp.top] for lp in state.logprobs],
             },
         }
 
@@ -248,6 +252,7 @@ class TokenizerManager:
                     state.first_token_at = now
                 state.text += d.text
                 state.output_ids.extend(d.new_ids)
+                state.logprobs.extend(d.logprobs)
                 state.retractions = d.retractions
                 if d.finish is not None:
                     state.finish = d.finish

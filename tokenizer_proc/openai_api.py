@@ -98,8 +98,6 @@ class OpenAIServing:
         best_of = _field(body, "best_of", int)
         if best_of is not None and best_of != n:
             raise ApiError(400, "'best_of' other than n is not supported", "best_of")
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise ApiError(400, "'logprobs' is not supported yet", "logprobs")
         stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, {})
         include_usage = bool(options.get("include_usage")) if stream else False
@@ -122,6 +120,13 @@ class OpenAIServing:
         sampling = _sampling(body, ("max_tokens",))
         sampling.setdefault("max_new_tokens", 16)  # the OpenAI default for completions
         echo = _field(body, "echo", bool, False)
+        top = _field(body, "logprobs", int)
+        if top is not None:
+            if not 0 <= top <= 20:
+                raise ApiError(400, "'logprobs' must be between 0 and 20", "logprobs")
+            if echo:
+                raise ApiError(400, "logprobs of the prompt (echo with logprobs) are not supported", "logprobs")
+            sampling.update(logprobs=True, top_logprobs=top)
         if body.get("suffix") is not None:
             raise ApiError(400, "'suffix' is not supported", "suffix")
         prompts = self._prompts(body.get("prompt"))
@@ -136,11 +141,13 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if stream:
             return self._stream(rid, "text_completion", model, jobs, sum(map(len, encoded)), include_usage,
-                                lambda idx, delta, finish: {"index": idx, "text": delta, "logprobs": None,
-                                                            "finish_reason": finish},
+                                lambda idx, delta, finish, lps: {"index": idx, "text": delta,
+                                                                 "logprobs": self._completion_logprobs(lps),
+                                                                 "finish_reason": finish},
                                 prefix={idx: texts[idx // n] for idx, _, _ in jobs} if echo else None)
         outs = await self._run_all(jobs)
-        choices = [{"index": idx, "text": (texts[idx // n] if echo else "") + out["text"], "logprobs": None,
+        choices = [{"index": idx, "text": (texts[idx // n] if echo else "") + out["text"],
+                    "logprobs": self._completion_logprobs(_token_logprobs(out) if top is not None else None),
                     "finish_reason": _finish(out)} for idx, out in outs]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": self._usage(sum(map(len, encoded)), [o for _, o in outs])}
@@ -165,6 +172,14 @@ class OpenAIServing:
         model = self.check_model(body)
         n, stream, include_usage = self.check_common(body)
         sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
+        want = _field(body, "logprobs", bool, False)
+        top = _field(body, "top_logprobs", int, 0)
+        if not 0 <= top <= 20:
+            raise ApiError(400, "'top_logprobs' must be between 0 and 20", "top_logprobs")
+        if top and not want:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if want:
+            sampling.update(logprobs=True, top_logprobs=top)
         if body.get("tools"):
             raise ApiError(400, "'tools' (function calling) is not supported", "tools")
         messages = _field(body, "messages", list)
@@ -183,14 +198,43 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if stream:
             return self._stream(rid, "chat.completion.chunk", model, jobs, len(ids), include_usage,
-                                lambda idx, delta, finish: {"index": idx, "delta": delta, "logprobs": None,
-                                                            "finish_reason": finish},
+                                lambda idx, delta, finish, lps: {"index": idx, "delta": delta,
+                                                                 "logprobs": self._chat_logprobs(lps),
+                                                                 "finish_reason": finish},
                                 chat=True)
         outs = await self._run_all(jobs)
-        choices = [{"index": idx, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
+        choices = [{"index": idx, "message": {"role": "assistant", "content": out["text"]},
+                    "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None),
                     "finish_reason": _finish(out)} for idx, out in outs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": self._usage(len(ids), [o for _, o in outs])}
+
+    # ---- logprobs -----------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.manager.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, lps: list | None) -> dict | None:
+        if lps is None:
+            return None
+        tokens = [self._token_text(t) for t, _, _ in lps]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in lps],
+                "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in lps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list | None) -> dict | None:
+        if lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]} for t, lp, top in lps]}
 
     # ---- shared -------------------------------------------------------------------------
 
@@ -223,18 +267,22 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
         gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True) for _, ids, s in jobs]
 
-        async def pump(idx, gen):
-            sent = 0
+        wants_logprobs = [bool(s.get("logprobs")) for _, _, s in jobs]
+
+        async def pump(idx, gen, wants):
+            sent, sent_tokens = 0, 0
             try:
                 if chat:
-                    await queue.put(make_choice(idx, {"role": "assistant", "content": ""}, None))
+                    await queue.put(make_choice(idx, {"role": "assistant", "content": ""}, None, None))
                 elif prefix is not None:
-                    await queue.put(make_choice(idx, prefix[idx], None))
+                    await queue.put(make_choice(idx, prefix[idx], None, None))
                 async for out in gen:
                     delta, sent = out["text"][sent:], len(out["text"])
+                    lps = _token_logprobs(out)[sent_tokens:] if wants else None
+                    sent_tokens = len(out["output_ids"])
                     finish = _finish(out) if out["meta_info"]["finish_reason"] else None
-                    if delta or finish:
-                        await queue.put(make_choice(idx, {"content": delta} if chat else delta, finish))
+                    if delta or finish or lps:
+                        await queue.put(make_choice(idx, {"content": delta} if chat else delta, finish, lps))
                     if finish:
                         await queue.put(("usage", out))
             finally:
@@ -244,7 +292,7 @@ class OpenAIServing:
             return f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model, **payload})}\n\n"
 
         async def events() -> AsyncIterator[str]:
-            tasks = [asyncio.create_task(pump(idx, g)) for (idx, _, _), g in zip(jobs, gens)]
+            tasks = [asyncio.create_task(pump(idx, g, w)) for (idx, _, _), g, w in zip(jobs, gens, wants_logprobs)]
             finished, outs = 0, []
             try:
                 while finished < len(tasks):
@@ -269,6 +317,13 @@ class OpenAIServing:
                     await g.aclose()  # a client gone mid-stream: abort what is still running
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _token_logprobs(out: dict) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """(token id, logprob, [(alternative id, logprob), ...]) per output token."""
+    meta = out["meta_info"]
+    return [(tid, lp, [(a, v) for v, a in top])
+            for (lp, tid), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]
 
 
 def _finish(out: dict) -> str | None:

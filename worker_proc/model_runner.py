@@ -9,14 +9,14 @@ import numpy as np
 
 import torch
 
-from ipc.messages import ModelWorkerBatch
+from ipc.messages import ModelWorkerBatch, TokenLogprobs
 from worker_proc.attention import TorchAttention
 from worker_proc.forward_batch import ForwardBatch
 from worker_proc.kv_cache import KVPool
 from worker_proc.model_config import ModelConfig
 from worker_proc.model_loader import iter_checkpoint_tensors
 from worker_proc.models import MODEL_CLASSES
-from worker_proc.penalties import OutputTokenCounts, PenaltyBatch, PromptTokenMask
+from worker_proc.penalties import OutputTokenCounts, PenaltyBatch, PromptTokenMask, logprobs
 from worker_proc.sampler import SamplingBatch, sample
 
 log = logging.getLogger("loom.worker")
@@ -77,21 +77,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> list[int]:
+        return self.forward_with_logprobs(batch)[0]
+
+    @torch.inference_mode()
+    def forward_with_logprobs(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sampled ids (one per sample row) and, when any row asked, their logprobs."""
         fb = ForwardBatch.from_worker_batch(batch)
         self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.out_cache_loc)
         self.attn.prepare(fb)
         self._record_tokens(fb, batch.prompt_lens)
-        logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
+        raw = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
         if not batch.sampling:
-            return []
-        pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, logits.device,
+            return [], []
+        pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, raw.device,
                                 self.eos_token_ids)
+        logits = raw
         if not pb.is_noop:
             slots = fb.req_pool_indices[batch.sample_rows]
-            logits = pb.apply(logits, self.output_counts.gather(slots) if pb.needs_counts else None,
+            logits = pb.apply(raw, self.output_counts.gather(slots) if pb.needs_counts else None,
                               self.prompt_tokens.gather(slots) if pb.needs_prompt_mask else None)
         sb = SamplingBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, logits.device)
-        return sample(logits, sb).tolist()
+        ids = sample(logits, sb)
+        if pb.top_logprobs is None:
+            return ids.tolist(), []
+        chosen, top_ids, top_lps = logprobs(raw, ids, pb.top_logprobs)
+        chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
+        out = [TokenLogprobs(chosen[i], list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])))
+               if p.logprobs else None for i, p in enumerate(batch.sampling)]
+        return ids.tolist(), out
 
     def _record_tokens(self, fb: ForwardBatch, prompt_lens: list[int]) -> None:
         """Keep each slot's prompt-token mask and output-token counts current from the tokens it is

@@ -50,11 +50,11 @@ def main(config: ChildConfig, report_ready) -> None:
         assert isinstance(msg, ModelWorkerBatch)
         t = time.perf_counter()
         try:
-            ids = runner.forward(msg)
+            ids, logprobs = runner.forward_with_logprobs(msg)
         except Exception as e:
             results.send(WorkerError(f"forward failed at step {msg.step}: {type(e).__name__}: {e}"))
             raise
-        results.send(BatchResult(msg.step, ids, time.perf_counter() - t))
+        results.send(BatchResult(msg.step, ids, time.perf_counter() - t, logprobs))
 
 
 if __name__ == "__main__":
