@@ -47,7 +47,11 @@ def main(config: ChildConfig, report_ready) -> None:
     report_ready({})
     while True:
         msg = inbox.recv()
-        outbox.send(detok.process(msg) if isinstance(msg, BatchTokenOut) else msg)
+        if isinstance(msg, BatchTokenOut):
+            outbox.send(detok.process(msg))
+        else:  # stats on their way to the tokenizer: add this process's request table
+            msg.stats["num_detokenizer_streams"] = len(detok.streams)
+            outbox.send(msg)
 
 
 if __name__ == "__main__":

@@ -153,3 +153,54 @@ def test_killing_the_worker_brings_the_server_down_cleanly():
     assert "worker process" in output and "SIGKILL" in output, output[-2000:]
     time.sleep(0.2)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_disconnecting_stream_clients_are_aborted_and_nothing_is_left(server):
+    import asyncio
+    import random
+
+    rng = random.Random(0)
+
+    async def client(i: int, session: httpx.AsyncClient) -> bool:
+        leave_after = rng.randint(1, 12) if i % 2 else None
+        body = {"text": f"Tell me story number {i}.", "stream": True,
+                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        async with session.stream("POST", server.url + "/generate", json=body) as r:
+            events = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if line == "data: [DONE]":
+                        return True
+                    if leave_after is not None and events >= leave_after:
+                        return False  # closing the response drops the connection
+        return True
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=100)) as session:
+            return await asyncio.gather(*(client(i, session) for i in range(50)))
+
+    done = asyncio.run(run())
+    assert sum(done) == 25  # the other half walked away
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        stats = httpx.get(server.url + "/get_server_info").json()["stats"]
+        if stats["num_running"] == 0 and stats["num_tokenizer_requests"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_tokenizer_requests"] == 0 and stats["num_detokenizer_streams"] == 0
+    assert stats["kv_slots_free"] == stats["kv_slots_total"] and stats["req_slots_free"] == stats["req_slots_total"]
+    assert stats["idle_check_failures"] == 0
+
+
+def test_metrics_health_generate_abort_and_flush(server):
+    assert httpx.get(server.url + "/health_generate", timeout=60).json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("loom_time_to_first_token_seconds_bucket", "loom_inter_token_latency_seconds_count",
+                 "loom_e2e_request_latency_seconds_sum", "loom_generation_tokens_total", "loom_num_running_reqs",
+                 "loom_kv_cache_usage"):
+        assert name in text, name
+    assert httpx.post(server.url + "/abort_request", json={}).status_code == 400
+    assert httpx.post(server.url + "/abort_request", json={"rid": "nope"}).json() == {"aborted": "nope"}
+    assert httpx.post(server.url + "/flush_cache").status_code == 200

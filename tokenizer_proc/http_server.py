@@ -3,13 +3,14 @@ GET /health, GET /get_server_info."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 from typing import Any
 
-import hmac
-
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenizer_proc.manager import QueueFullError, RequestError, TokenizerManager
 from tokenizer_proc.openai_api import OpenAIServing, build_router
@@ -38,6 +39,40 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
         if manager.dead:
             return _error(503, manager.dead)
         return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """Runs one real token through every process."""
+        try:
+            out = await asyncio.wait_for(_last(manager.generate(
+                input_ids=[0], sampling={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})), 60)
+        except Exception as e:
+            return _error(503, f"generation failed: {e}")
+        if out["meta_info"]["completion_tokens"] != 1:
+            return _error(503, f"generation ended without a token: {out['meta_info']['finish_reason']}")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(manager.metrics.render(await manager.get_stats()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"malformed JSON body: {e}")
+        rid = body.get("rid") if isinstance(body, dict) else None
+        abort_all = isinstance(body, dict) and bool(body.get("abort_all"))
+        if not (isinstance(rid, str) and rid) and not abort_all:
+            return _error(400, "give 'rid' (a request id) or 'abort_all': true")
+        await manager.abort("" if abort_all else rid)
+        return {"aborted": "all" if abort_all else rid}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        # No prefix cache exists yet, so there is nothing to flush; the route is here for clients.
+        return {"flushed": True, "message": "no prefix cache in this build: nothing to flush"}
 
     @app.get("/get_server_info")
     async def get_server_info():
@@ -111,6 +146,4 @@ async def _last(gen) -> dict:
 
 
 async def _gather(gens) -> list[dict]:
-    import asyncio
-
     return list(await asyncio.gather(*(_last(g) for g in gens)))

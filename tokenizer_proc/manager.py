@@ -19,6 +19,7 @@ import zmq.asyncio
 from ipc.messages import (AbortReq, BatchTextOut, FinishReason, GenerateReq, SamplingParams, StatsReq, StatsResp,
                           ToTokenizer)
 from ipc.sockets import Endpoints
+from tokenizer_proc.metrics import Metrics
 
 log = logging.getLogger("loom.tokenizer")
 
@@ -43,6 +44,7 @@ class ReqState:
     logprobs: list = field(default_factory=list)  # TokenLogprobs per output id, when asked
     event: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_at: float | None = None
+    last_token_at: float | None = None
 
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
@@ -104,6 +106,7 @@ class TokenizerManager:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ToTokenizer)
         self.states: dict[str, ReqState] = {}
+        self.metrics = Metrics()
         self.stats_waiters: dict[str, asyncio.Future] = {}
         self.dead: str | None = None  # set when the server is going down: new requests fail fast
         self._recv_task: asyncio.Task | None = None
@@ -248,12 +251,16 @@ class TokenizerManager:
                 state = self.states.get(d.rid)
                 if state is None:
                     continue  # its consumer left already
-                if d.new_ids and state.first_token_at is None:
-                    state.first_token_at = now
+                self.metrics.on_tokens(now, state.created, state.first_token_at, state.last_token_at,
+                                       len(d.new_ids))
+                if d.new_ids:
+                    state.first_token_at = state.first_token_at or now
+                    state.last_token_at = now
                 state.text += d.text
                 state.output_ids.extend(d.new_ids)
                 state.logprobs.extend(d.logprobs)
                 state.retractions = d.retractions
                 if d.finish is not None:
                     state.finish = d.finish
+                    self.metrics.on_finish(now, state.created, state.prompt_tokens, d.finish.type)
                 state.event.set()

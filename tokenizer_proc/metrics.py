@@ -1,0 +1,52 @@
+"""Prometheus metrics of the serving front end (`GET /metrics`): latency histograms and token
+counters observed here, scheduler gauges (running / waiting requests, KV usage) read at scrape
+time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("loom_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("loom_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("loom_e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("loom_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("loom_generation_tokens", "Generated tokens", registry=r)
+        self.finished = Counter("loom_requests_finished", "Finished requests by reason", ["reason"], registry=r)
+        self.running = Gauge("loom_num_running_reqs", "Requests running in the scheduler", registry=r)
+        self.waiting = Gauge("loom_num_waiting_reqs", "Requests waiting in the scheduler", registry=r)
+        self.kv_usage = Gauge("loom_kv_cache_usage", "Fraction of KV slots in use", registry=r)
+        self.retractions = Gauge("loom_num_retractions", "Retractions since start", registry=r)
+
+    def on_tokens(self, now: float, created: float, first_at: float | None, last_at: float | None, n: int) -> None:
+        if n <= 0:
+            return
+        self.generation_tokens.inc(n)
+        if first_at is None:
+            self.ttft.observe(now - created)
+        elif last_at is not None:
+            gap = (now - last_at) / n
+            for _ in range(n):
+                self.itl.observe(gap)
+
+    def on_finish(self, now: float, created: float, prompt_tokens: int, reason: str) -> None:
+        self.e2e.observe(now - created)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.finished.labels(reason=reason).inc()
+
+    def render(self, stats: dict) -> bytes:
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        total = stats["kv_slots_total"] or 1
+        self.kv_usage.set((stats["kv_slots_total"] - stats["kv_slots_free"]) / total)
+        self.retractions.set(stats["num_retractions"])
+        return generate_latest(self.registry)
