@@ -204,3 +204,17 @@ def test_metrics_health_generate_abort_and_flush(server):
     assert httpx.post(server.url + "/abort_request", json={}).status_code == 400
     assert httpx.post(server.url + "/abort_request", json={"rid": "nope"}).json() == {"aborted": "nope"}
     assert httpx.post(server.url + "/flush_cache").status_code == 200
+
+
+def test_native_streaming_incremental(server):
+    body = {"text": "Once upon a time", "stream": True, "incremental": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    pieces, ids = [], []
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out = json.loads(line[6:])
+                pieces.append(out["text"])
+                ids += out["output_ids"]
+    full = httpx.post(server.url + "/generate", timeout=120, json={**body, "stream": False}).json()
+    assert "".join(pieces) == full["text"] and ids == full["output_ids"] and len(pieces) > 1

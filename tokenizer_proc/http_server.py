@@ -113,11 +113,21 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
             except QueueFullError as e:
                 return _error(503, str(e))
 
+            incremental = bool(body.get("incremental"))
+            sent = {"text": 0, "ids": 0}
+
+            def event(out: dict) -> str:
+                if incremental:  # only what is new since the previous event
+                    text, ids = out["text"], out["output_ids"]
+                    out = {**out, "text": text[sent["text"]:], "output_ids": ids[sent["ids"]:]}
+                    sent.update(text=len(text), ids=len(ids))
+                return f"data: {json.dumps(out)}\n\n"
+
             async def sse():
                 try:
-                    yield f"data: {json.dumps(first)}\n\n"
+                    yield event(first)
                     async for out in gen:
-                        yield f"data: {json.dumps(out)}\n\n"
+                        yield event(out)
                     yield "data: [DONE]\n\n"
                 finally:
                     await gen.aclose()  # a disconnect lands here and aborts the request
