@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import msgspec
 import zmq
 
-from ipc.messages import ProcFailed, ProcReady, SamplingParams, ToLauncher
+from ipc.messages import ProcFailed, ProcReady, ToLauncher
 from ipc.proc import ChildConfig
 from ipc.sockets import Endpoints, Receiver
 

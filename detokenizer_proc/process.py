@@ -9,7 +9,7 @@ import zmq
 
 from detokenizer_proc.decoder import load_decoder
 from detokenizer_proc.incremental import IncrementalDetokenizer
-from ipc.messages import BatchTextOut, BatchTokenOut, TextDelta, ToDetokenizer, ToTokenizer
+from ipc.messages import BatchTextOut, BatchTokenOut, TextDelta, ToDetokenizer
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import Receiver, Sender
 

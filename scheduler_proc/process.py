@@ -10,7 +10,7 @@ import time
 import zmq
 
 from detokenizer_proc.decoder import load_decoder
-from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, Shutdown, StatsReq,
+from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, StatsReq,
                           StatsResp, TokenDelta, ToScheduler, WorkerError, WorkerReady)
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import Receiver, Sender

@@ -4,7 +4,6 @@ same greedy text as the Engine, clean exit on SIGTERM, and a dead worker taking 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess

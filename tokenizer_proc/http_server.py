@@ -20,6 +20,17 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
+async def _json_object(request: Request) -> dict | JSONResponse:
+    """The body as a JSON object, or the 400 response to send instead."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _error(400, f"malformed JSON body: {e}")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    return body
+
+
 def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name: str,
               api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="loom")
@@ -58,12 +69,10 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"malformed JSON body: {e}")
-        rid = body.get("rid") if isinstance(body, dict) else None
-        abort_all = isinstance(body, dict) and bool(body.get("abort_all"))
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all"))
         if not (isinstance(rid, str) and rid) and not abort_all:
             return _error(400, "give 'rid' (a request id) or 'abort_all': true")
         await manager.abort("" if abort_all else rid)
@@ -80,12 +89,9 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
 
     @app.post("/generate")
     async def generate(request: Request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"malformed JSON body: {e}")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
         text, input_ids = body.get("text"), body.get("input_ids")
         batch = isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
         prompts = [(t, None) for t in text] if isinstance(text, list) else (

@@ -19,22 +19,6 @@ from worker_proc.kv_cache import KVPool
 class AttentionBackend(Protocol):
     def prepare(self, batch: ForwardBatch) -> None: ...
 
-    def _decode_attention(self, q: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-        """q [D, H, Dh] against gathered K/V [D, L, 2, KVH, Dh] -> [D, H, Dh]."""
-        if q.dtype == torch.float32:
-            return F.scaled_dot_product_attention(
-                q.unsqueeze(2), gathered[:, :, 0].transpose(1, 2), gathered[:, :, 1].transpose(1, 2),
-                attn_mask=self.decode_mask, scale=self.scale, enable_gqa=True).squeeze(2)
-        # torch's CPU flash kernel is several times slower in bf16/fp16 for one query row;
-        # two batched matmuls with a float32 softmax are not.
-        d, kvh, dh = q.shape[0], gathered.shape[3], q.shape[2]
-        q = q.view(d, kvh, -1, dh)
-        scores = torch.matmul(q, gathered[:, :, 0].permute(0, 2, 3, 1)).float() * self.scale  # [D, KVH, G, L]
-        if self.decode_mask is not None:
-            scores.masked_fill_(~self.decode_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, gathered[:, :, 1].permute(0, 2, 1, 3)).view(d, -1, dh)
-
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> [T, H, D]."""
         ...
