@@ -196,9 +196,7 @@ class SchedulerCore:
                 n = min(req.num_pending, adder.rem_input, cfg.chunked_prefill_size or req.num_pending,
                         self.token_pool.num_free)
                 if n > 0:
-                    adder.add(n, n, 0)
-                    adder.rem_total += n  # its KV is already in the reservation for running requests
-                    adder.chunked = n < req.num_pending
+                    adder.add_resumed_chunk(n, req.num_pending)
                     self._extend(batch, req, n)
         self.queue_policy.order(self.waiting, self.running)
         if cfg.enable_priority_scheduling:

@@ -12,7 +12,7 @@ A request cut into a chunk ends the step's admissions: it resumes first next ste
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -50,6 +50,15 @@ class PrefillAdder:
         self.rows += 1
         self.rem_input -= n
         self.rem_total -= pending + reserve
+        self.pool_free -= n
+        if n < pending:
+            self.chunked = True
+
+    def add_resumed_chunk(self, n: int, pending: int) -> None:
+        """The next chunk of a running request's prompt: its KV is already in the reservation
+        for running requests, so only the step's budgets shrink."""
+        self.rows += 1
+        self.rem_input -= n
         self.pool_free -= n
         if n < pending:
             self.chunked = True
@@ -121,7 +130,7 @@ class PackAdmission(AdmissionPolicy):
         self.passed_over_head = 0  # admissions since the head was last taken
 
     def admit(self, waiting, adder, reserve, admit, can_admit):
-        if not waiting:
+        if not waiting or adder.chunked:  # a chunk already ends this step's admissions
             return
         if self.force_fifo_every and self.passed_over_head >= self.force_fifo_every:
             head = waiting[0]
@@ -131,8 +140,7 @@ class PackAdmission(AdmissionPolicy):
             return
         window = [waiting[i] for i in range(min(self.lookahead, len(waiting)))]
         order = {id(r): i for i, r in enumerate(window)}
-        trial = PrefillAdder(adder.rem_total, adder.rem_input, None, adder.pool_free, adder.nothing_running,
-                             adder.rows)
+        trial = replace(adder, chunk_size=None)  # whole prompts only
         chosen = []
         for req in sorted(window, key=lambda r: (r.num_pending, order[id(r)])):
             n = trial.fits(req.num_pending, reserve(req))

@@ -119,5 +119,4 @@ class ModelRunner:
         prompt_len_of_token = torch.from_numpy(np.repeat(np.asarray(prompt_lens, dtype=np.int64), fb.extend_lens))
         is_output = fb.positions >= prompt_len_of_token
         self.output_counts.add(slot_of_token[is_output], fb.input_ids[is_output])
-        is_prompt = ~is_output
-        self.prompt_tokens.mask[slot_of_token[is_prompt], fb.input_ids[is_prompt]] = True
+        self.prompt_tokens.add(slot_of_token[~is_output], fb.input_ids[~is_output])

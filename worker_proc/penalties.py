@@ -26,7 +26,6 @@ applies)::
                       prompt_masks.gather(slots) if pb.needs_prompt_mask else None)
         # == apply_logit_bias -> mask_min_tokens -> apply_penalties
     next_ids = sampler.sample(logits, SamplingBatch.build(...))
-    counts.add(slots, next_ids)                          # after every sampling step
     if pb.top_logprobs is not None:                      # some row asked for logprobs
         chosen_lp, top_ids, top_lps = logprobs(raw, next_ids, pb.top_logprobs)
         # row i keeps top_ids[i, :params[i].top_logprobs]
@@ -37,11 +36,11 @@ caller passes the raw logits.
 
 Per-request state lives in slot-indexed tables (slot = ``req_pool_indices`` entry):
 
-* `OutputTokenCounts` ``[max_reqs, V]`` int32: ``reset(slots)`` when a request takes a slot,
-  ``add(slots, tokens)`` after every step, ``reset_from(slot, output_ids)`` after a retraction
-  (or whenever the table may be stale), ``gather(slots)`` -> ``[B, V]``.
-* `PromptTokenMask` ``[max_reqs, V]`` bool: ``set(slot, prompt_ids)`` once per request (only
-  needed for repetition_penalty), ``gather(slots)`` -> ``[B, V]``.
+* `OutputTokenCounts` ``[max_reqs, V]`` int32 and `PromptTokenMask` ``[max_reqs, V]`` bool:
+  ``reset(slots)`` when a request (re)starts in a slot, ``add(slots, tokens)`` for the tokens it
+  is fed, ``gather(slots)`` -> ``[B, V]``. The model runner feeds them from each step's input
+  tokens (prompt positions to the mask, output positions to the counts), so a re-prefill after a
+  retraction rebuilds both.
 
 SamplingParams fields are read with ``getattr(p, name, default)``, so this module works whether
 or not ``ipc.messages.SamplingParams`` already defines ``repetition_penalty``,
@@ -89,14 +88,6 @@ class OutputTokenCounts:
         if idx.numel():
             self.counts.index_fill_(0, idx, 0)
 
-    def reset_from(self, slot: int, output_ids: Sequence[int] | torch.Tensor) -> None:
-        """Recount `slot` from scratch from the request's output tokens (e.g. after a retraction)."""
-        ids = _as_index(output_ids, self.device)
-        row = self.counts[slot]
-        row.zero_()
-        if ids.numel():
-            row.index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
-
     def add(self, slots: torch.Tensor | Sequence[int], tokens: torch.Tensor | Sequence[int]) -> None:
         """Count one generated token per entry: ``counts[slots[i], tokens[i]] += 1``.
 
@@ -121,12 +112,13 @@ class PromptTokenMask:
         self.device = torch.device(device)
         self.mask = torch.zeros(max_reqs, vocab_size, dtype=torch.bool, device=self.device)
 
-    def set(self, slot: int, prompt_ids: Sequence[int] | torch.Tensor) -> None:
-        ids = _as_index(prompt_ids, self.device)
-        row = self.mask[slot]
-        row.zero_()
-        if ids.numel():
-            row[ids] = True
+    def add(self, slots: torch.Tensor | Sequence[int], tokens: torch.Tensor | Sequence[int]) -> None:
+        """Mark ``mask[slots[i], tokens[i]]``."""
+        s = _as_index(slots, self.device).reshape(-1)
+        t = _as_index(tokens, self.device).reshape(-1)
+        assert s.shape == t.shape, (s.shape, t.shape)
+        if s.numel():
+            self.mask[s, t] = True
 
     def reset(self, slots: torch.Tensor | Sequence[int]) -> None:
         idx = _as_index(slots, self.device)
@@ -135,17 +127,6 @@ class PromptTokenMask:
 
     def gather(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
         return self.mask.index_select(0, _as_index(slots, self.device))
-
-
-def build_prompt_mask(prompt_ids: Sequence[Sequence[int]], vocab_size: int,
-                      device: torch.device | str) -> torch.Tensor:
-    """``[B, V]`` bool: True where token t occurs in prompt b (one index_put_, no per-token loop)."""
-    rows = [b for b, ids in enumerate(prompt_ids) for _ in ids]
-    cols = [t for ids in prompt_ids for t in ids]
-    mask = torch.zeros(len(prompt_ids), vocab_size, dtype=torch.bool, device=device)
-    if cols:
-        mask[_as_index(rows, mask.device), _as_index(cols, mask.device)] = True
-    return mask
 
 
 # ---- logit processing -------------------------------------------------------------------
