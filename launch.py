@@ -183,16 +183,20 @@ class Launcher:
 
 
 def _prepare(args: ServerArgs):
-    """Resolve (and on first use convert) the model, load its tokenizer, start the processes."""
+    """Set up logging, resolve (and on first use convert) the model, load its tokenizer, start
+    the processes. Returns the model folder, tokenizer, launcher and the server info."""
     from transformers import AutoTokenizer
 
     from worker_proc.model_loader import resolve_model_path
 
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
     model_dir = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
     launcher.start()
-    return model_dir, tokenizer, launcher
+    info = {"model_path": str(model_dir), **launcher.ready_info.get("scheduler", {}),
+            **launcher.ready_info.get("worker", {})}
+    return model_dir, tokenizer, launcher, info
 
 
 # ---- offline Engine ---------------------------------------------------------------------------
@@ -205,10 +209,7 @@ class Engine:
         from tokenizer_proc.manager import TokenizerManager
 
         self.args = ServerArgs(**kwargs)
-        logging.basicConfig(level=self.args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
-        self.model_dir, self.tokenizer, self.launcher = _prepare(self.args)
-        self.server_info = {"model_path": str(self.model_dir), **self.launcher.ready_info.get("scheduler", {}),
-                            **self.launcher.ready_info.get("worker", {})}
+        self.model_dir, self.tokenizer, self.launcher, self.server_info = _prepare(self.args)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="loom-engine-loop", daemon=True)
         self._thread.start()
@@ -257,22 +258,20 @@ class Engine:
         if len(params) != len(texts):
             raise ValueError(f"{len(params)} sampling_params for {len(texts)} prompts")
 
-        async def one(t, i, p, r):
-            last = None
-            async for last in self.manager.generate(text=t, input_ids=i, sampling=p, rid=r, **extra):
-                pass
-            return last
-
         rids = [rid] if single else [None] * len(texts)
-        outs = await asyncio.gather(*(one(t, i, p, r) for t, i, p, r in zip(texts, ids_list, params, rids)))
+        outs = await asyncio.gather(*(self.manager.generate_final(text=t, input_ids=i, sampling=p, rid=r, **extra)
+                                      for t, i, p, r in zip(texts, ids_list, params, rids)))
         return outs[0] if single else list(outs)
 
-    def _stream(self, prompt, sampling_params, input_ids, rid, extra) -> Iterator[dict]:
+    def _open_stream(self, prompt, sampling_params, input_ids, rid, extra):
         texts, ids_list, single = _as_prompt_list(prompt, input_ids)
         if not single:
             raise ValueError("stream=True takes one prompt")
-        agen = self.manager.generate(text=texts[0], input_ids=ids_list[0], sampling=sampling_params, rid=rid,
+        return self.manager.generate(text=texts[0], input_ids=ids_list[0], sampling=sampling_params, rid=rid,
                                      stream=True, **extra)
+
+    def _stream(self, prompt, sampling_params, input_ids, rid, extra) -> Iterator[dict]:
+        agen = self._open_stream(prompt, sampling_params, input_ids, rid, extra)
         try:
             while True:
                 try:
@@ -283,11 +282,7 @@ class Engine:
             self._run(agen.aclose())
 
     async def _astream(self, prompt, sampling_params, input_ids, rid, extra) -> AsyncIterator[dict]:
-        texts, ids_list, single = _as_prompt_list(prompt, input_ids)
-        if not single:
-            raise ValueError("stream=True takes one prompt")
-        agen = self.manager.generate(text=texts[0], input_ids=ids_list[0], sampling=sampling_params, rid=rid,
-                                     stream=True, **extra)
+        agen = self._open_stream(prompt, sampling_params, input_ids, rid, extra)
 
         def call(coro):
             return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
@@ -353,8 +348,7 @@ def serve(args: ServerArgs) -> None:
     from tokenizer_proc.manager import TokenizerManager
     from tokenizer_proc.zmq_frontend import ZmqFrontend
 
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
-    model_dir, tokenizer, launcher = _prepare(args)
+    model_dir, tokenizer, launcher, info = _prepare(args)
 
     def on_death(message: str) -> None:
         print(f"loom: {message}", file=sys.stderr, flush=True)
@@ -362,8 +356,6 @@ def serve(args: ServerArgs) -> None:
         os._exit(1)
 
     launcher.watch(on_death)
-    info = {"model_path": str(model_dir), **launcher.ready_info.get("scheduler", {}),
-            **launcher.ready_info.get("worker", {})}
 
     async def run() -> None:
         manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"], args.max_queued_requests)

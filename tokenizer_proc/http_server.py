@@ -55,8 +55,8 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
     async def health_generate():
         """Runs one real token through every process."""
         try:
-            out = await asyncio.wait_for(_last(manager.generate(
-                input_ids=[0], sampling={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})), 60)
+            out = await asyncio.wait_for(manager.generate_final(
+                input_ids=[0], sampling={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}), 60)
         except Exception as e:
             return _error(503, f"generation failed: {e}")
         if out["meta_info"]["completion_tokens"] != 1:
@@ -102,16 +102,16 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
         sampling = body.get("sampling_params")
         rid = body.get("rid")
 
-        def start(t, i, r):
-            return manager.generate(text=t, input_ids=i, sampling=sampling, rid=r, stream=stream,
-                                    priority=body.get("priority") or 0, routing_key=body.get("routing_key"))
+        def request(t, i, r) -> dict:
+            return dict(text=t, input_ids=i, sampling=sampling, rid=r, priority=body.get("priority") or 0,
+                        routing_key=body.get("routing_key"))
 
         try:
             manager.ensure_capacity(len(prompts))
         except QueueFullError as e:
             return _error(503, str(e))
         if stream:
-            gen = start(*prompts[0], rid)
+            gen = manager.generate(**request(*prompts[0], rid), stream=True)
             try:
                 first = await anext(gen)
             except RequestError as e:
@@ -140,11 +140,9 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         try:
-            results = []
-            for k, (t, i) in enumerate(prompts):
-                r = (rid[k] if isinstance(rid, list) else rid) if rid else None
-                results.append(start(t, i, r))
-            outs = [await _last(g) for g in results] if len(results) == 1 else await _gather(results)
+            rids = [(rid[k] if isinstance(rid, list) else rid) if rid else None for k in range(len(prompts))]
+            outs = await asyncio.gather(*(manager.generate_final(**request(t, i, r))
+                                          for (t, i), r in zip(prompts, rids)))
         except RequestError as e:
             return _error(400, str(e))
         except QueueFullError as e:
@@ -152,14 +150,3 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
         return outs if batch else outs[0]
 
     return app
-
-
-async def _last(gen) -> dict:
-    out = None
-    async for out in gen:
-        pass
-    return out
-
-
-async def _gather(gens) -> list[dict]:
-    return list(await asyncio.gather(*(_last(g) for g in gens)))

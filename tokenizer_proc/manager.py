@@ -189,6 +189,13 @@ class TokenizerManager:
                 # the consumer went away before the end: free the request's KV now
                 await self.abort(rid, "client disconnected")
 
+    async def generate_final(self, **kwargs) -> dict:
+        """`generate` without streaming: the final result dict."""
+        last = None
+        async for last in self.generate(**kwargs):
+            pass
+        return last
+
     def ensure_capacity(self, n: int) -> None:
         """Refuse at once (before any stream starts) when n more requests would pass the limit."""
         if self.max_queued is not None and len(self.states) + n > self.max_queued:

@@ -247,10 +247,7 @@ class OpenAIServing:
 
     async def _run_all(self, jobs) -> list[tuple[int, dict]]:
         async def one(idx, ids, sampling):
-            last = None
-            async for last in self.manager.generate(input_ids=ids, sampling=sampling):
-                pass
-            return idx, last
+            return idx, await self.manager.generate_final(input_ids=ids, sampling=sampling)
 
         return list(await asyncio.gather(*(one(*job) for job in jobs)))
 
