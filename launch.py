@@ -60,8 +60,11 @@ class ServerArgs:
     enable_priority_scheduling: bool = _arg(False, "higher request `priority` first, the policy's order within")
     waiting_timeout: float | None = _arg(None, "abort requests queued longer than this (seconds)")
     running_timeout: float | None = _arg(None, "abort requests running longer than this (seconds)")
-    attention_backend: str = _arg("auto", "auto | torch | cpu_kernel (compiled on first use; auto falls back "
-                                          "to torch where no compiler is available)")
+    kernel_backend: str = _arg("auto", "auto | torch | cpu: loom's CPU kernels (attention, fused norms, "
+                                       "weight-streaming linears; compiled on first use) or plain torch ops; auto "
+                                       "falls back to torch where no compiler is available")
+    quantization: str = _arg("none", "weight-only quantization of the linear layers: none | int8 (per output "
+                                     "row) | int4 (groups of 32, as GGUF Q4_1)")
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     schedule_policy: str = _arg("fcfs", "waiting-queue order: fcfs | lof | random | routing-key")
     num_threads: int | None = _arg(None, "torch threads in the worker (default: all cores)")

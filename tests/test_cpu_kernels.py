@@ -1,4 +1,6 @@
-"""The compiled paged decode attention equals the pure-torch path (gather + SDPA)."""
+"""loom's compiled CPU kernels against their torch references: paged decode attention (gather +
+SDPA), the fused element-wise ops (`Ops` without kernels) and the small-M linears (dense, int8,
+int4 against their dequantized weights)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_proc import cpu_kernels
+from worker_proc.ops import (Ops, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8)
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +36,75 @@ def test_paged_decode_matches_reference(kernel, dtype, tol, heads, kv_heads, hea
         ref = F.scaled_dot_product_attention(q[b : b + 1, :, None].float(), rows[:, 0].transpose(0, 1)[None],
                                              rows[:, 1].transpose(0, 1)[None], enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+# ---- fused element-wise ops --------------------------------------------------------------------
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_fused_norms_and_activation_match_torch(kernel, dtype, tol):
+    torch.manual_seed(0)
+    fast, ref = Ops(kernel), Ops()
+    x, residual = torch.randn(7, 576, dtype=dtype), torch.randn(7, 576, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(576)).to(dtype)
+    torch.testing.assert_close(fast.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5), atol=tol, rtol=tol)
+    out_ref, res_ref = ref.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    res = residual.clone()
+    out, res_out = fast.add_rms_norm(x, res, weight, 1e-5)
+    assert res_out is res  # updated in place
+    torch.testing.assert_close(res, res_ref, atol=0, rtol=0)
+    torch.testing.assert_close(out, out_ref, atol=tol, rtol=tol)
+    gate_up = torch.randn(5, 2 * 1536, dtype=dtype)
+    torch.testing.assert_close(fast.silu_mul(gate_up), ref.silu_mul(gate_up), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_rope_in_place_matches_torch(kernel, dtype, tol):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, positions = 9, 3, 64, torch.tensor([0, 5, 17, 1000, 3])
+    angles = torch.arange(2048, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2)[None]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    a, b = qkv.clone(), qkv.clone()
+    Ops(kernel).rope_(a, positions, cos, sin, heads + kv_heads, head_dim)
+    Ops().rope_(b, positions, cos, sin, heads + kv_heads, head_dim)
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    v = slice((heads + kv_heads) * head_dim, None)
+    assert torch.equal(a[:, v], qkv[:, v])  # v untouched
+
+
+# ---- small-M linears ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 6, 9])
+@pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (7, 64)])
+def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k):
+    torch.manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k) * 0.05
+    scale_tol = dict(atol=tol * 4, rtol=tol)
+    dense = w.to(dtype)
+    torch.testing.assert_close(kernel.linear_dense(x, dense), F.linear(x.float(), dense.float()).to(dtype), **scale_tol)
+    q8, s8 = quantize_int8(w)
+    torch.testing.assert_close(kernel.linear_int8(x, q8, s8),
+                               F.linear(x.float(), dequantize_int8(q8, s8, torch.float32)).to(dtype), **scale_tol)
+    q4, s4, m4 = quantize_int4(w)
+    torch.testing.assert_close(kernel.linear_int4(x, q4, s4, m4),
+                               F.linear(x.float(), dequantize_int4(q4, s4, m4, torch.float32)).to(dtype), **scale_tol)
+
+
+def test_quantization_round_trip_error_is_bounded():
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    q8, s8 = quantize_int8(w)
+    assert (dequantize_int8(q8, s8, torch.float32) - w).abs().le(s8[:, None] / 2 + 1e-6).all()
+    q4, s4, m4 = quantize_int4(w)
+    err = (dequantize_int4(q4, s4, m4, torch.float32) - w).view(64, 8, 32).abs()
+    assert err.le(s4[..., None] / 2 + 1e-6).all()
+    # a grid already on 16 levels comes back exactly (as weights dequantized from GGUF Q4_1 do)
+    levels = torch.randint(0, 16, (8, 64)).float() * 0.01 - 0.07
+    levels[:, ::32] = -0.07  # every group spans the full 0..15 range
+    levels[:, 1::32] = -0.07 + 0.15
+    q4, s4, m4 = quantize_int4(levels)
+    torch.testing.assert_close(dequantize_int4(q4, s4, m4, torch.float32), levels, atol=1e-6, rtol=0)

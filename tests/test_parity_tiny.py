@@ -17,17 +17,20 @@ class Tiny:
         self.arch, self.path, self.hf, self.runner, self.prompts, self.hf_out = arch, path, hf, runner, prompts, hf_out
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+# Each family through loom's compiled CPU kernels (auto) and through the plain torch ops.
+@pytest.fixture(scope="module", params=[(a, b) for a in TINY_ARCHS for b in ("auto", "torch")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def tiny(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
-    arch = request.param
+    arch, backend = request.param
     seed = TINY_ARCHS.index(arch)
     path = build_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), seed=seed)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
-    runner = ModelRunner(RunnerConfig(str(path), torch.float32, kv_cache_gb=0.05, max_running_requests=8))
+    runner = ModelRunner(RunnerConfig(str(path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
+                                      kernel_backend=backend))
     g = torch.Generator().manual_seed(100 + seed)
     vocab = hf.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -114,3 +117,48 @@ def test_greedy_matches_hf_chunked_prefill(tiny):
     mine = generate_greedy(tiny.runner, tiny.prompts, NEW_TOKENS, together=True, max_prefill_tokens=7)
     for i, (m, ref) in enumerate(zip(mine, tiny.hf_out)):
         assert m[:16] == ref[:16], f"{tiny.arch} prompt {i}: loom {m[:16]} != HF {ref[:16]}"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
+    """--quantization: the quantized linears (the small-M kernel for decode rows, widened weights
+    for prefill rows) compute what the plain model computes with the dequantized weights."""
+    from worker_proc.linear import Int4Linear, Int8Linear, Linear
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+    from worker_proc.ops import dequantize_int4, dequantize_int8
+
+    backend = tiny.runner.kernel_backend
+    quantized = ModelRunner(RunnerConfig(str(tiny.path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
+                                         kernel_backend=backend, quantization=scheme))
+    reference = ModelRunner(RunnerConfig(str(tiny.path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
+                                         kernel_backend="torch"))
+    ref_modules = dict(reference.model.named_modules())
+    replaced = 0
+    for name, module in quantized.model.named_modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            target = ref_modules[name]
+            assert isinstance(target, Linear)
+            w = (dequantize_int8(module.qweight, module.scale, torch.float32) if scheme == "int8" else
+                 dequantize_int4(module.qweight, module.scale, module.minimum, torch.float32))
+            with torch.no_grad():
+                target.weight = torch.nn.Parameter(w)  # unties a tied head: it is quantized apart
+            replaced += 1
+    assert replaced == 4 * tiny.runner.config.num_layers + 1  # qkv, o, gate_up, down per layer + head
+    logits = {}
+    for label, runner in (("quantized", quantized), ("reference", reference)):
+        model, seen = runner.model, []
+
+        def capture(*args, _model=model, _seen=seen, **kwargs):
+            out = _model(*args, **kwargs)
+            _seen.append(out.detach().clone())
+            return out
+
+        runner.model = capture
+        try:
+            generate_greedy(runner, tiny.prompts, 6, together=True)
+        finally:
+            runner.model = model
+        logits[label] = seen
+    assert len(logits["quantized"]) == len(logits["reference"])
+    for a, b in zip(logits["quantized"], logits["reference"]):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)

@@ -75,7 +75,7 @@ class TorchAttention:
         kv = self.pool.kv[layer_id]
         kv_rows = kv.view(self.row_view_shape)
         kv_rows.index_copy_(0, b.out_cache_loc, torch.cat((k, v), dim=1).view(len(k), -1))
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = len(b.decode_tokens)
         if n:
             q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]

@@ -13,9 +13,11 @@ from ipc.messages import ModelWorkerBatch, TokenLogprobs
 from worker_proc.attention import TorchAttention
 from worker_proc.forward_batch import ForwardBatch
 from worker_proc.kv_cache import KVPool
+from worker_proc.linear import quantize_linears
 from worker_proc.model_config import ModelConfig
 from worker_proc.model_loader import iter_checkpoint_tensors
 from worker_proc.models import MODEL_CLASSES
+from worker_proc.ops import Ops
 from worker_proc.penalties import OutputTokenCounts, PenaltyBatch, PromptTokenMask, logprobs
 from worker_proc.sampler import SamplingBatch, sample
 
@@ -30,7 +32,8 @@ class RunnerConfig:
     max_running_requests: int
     context_length: int | None = None
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | torch | cpu_kernel
+    kernel_backend: str = "auto"  # auto | torch | cpu
+    quantization: str = "none"  # none | int8 | int4
     eos_token_ids: tuple[int, ...] = ()
 
 
@@ -43,15 +46,22 @@ def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float) -
     return slots
 
 
-def _decode_kernel(backend: str, device: str):
+# Linears with up to this many input rows stream their weights through loom's kernel; above it
+# torch's GEMM is faster (measured on AVX2 and AVX-512 CPUs).
+SMALL_M_ROWS = 8
+
+
+def _load_kernels(backend: str, device: str):
+    if backend not in ("auto", "torch", "cpu"):
+        raise ValueError(f"--kernel-backend {backend!r}: choose auto, torch or cpu")
     if backend == "torch" or device != "cpu":
         return None
     from worker_proc import cpu_kernels
 
-    kernel = cpu_kernels.load()
-    if kernel is None and backend == "cpu_kernel":
-        raise RuntimeError("--attention-backend cpu_kernel: the kernel failed to compile (see the log)")
-    return kernel
+    kernels = cpu_kernels.load()
+    if kernels is None and backend == "cpu":
+        raise RuntimeError("--kernel-backend cpu: the CPU kernels failed to compile (see the log)")
+    return kernels
 
 
 class ModelRunner:
@@ -61,15 +71,16 @@ class ModelRunner:
         self.device = rc.device
         self.context_len = min(rc.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
-        model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len)
+        kernels = _load_kernels(rc.kernel_backend, rc.device)
+        self.kernel_backend = "cpu" if kernels is not None else "torch"
+        model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len, Ops(kernels, SMALL_M_ROWS))
         model.load_weights(iter_checkpoint_tensors(rc.model_dir))
         self.model = model.to(dtype=rc.dtype, device=rc.device).eval()
+        quantize_linears(self.model, rc.quantization)  # after the cast: scales stay float32
         self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb)
         self.pool = KVPool(self.config.num_layers, self.num_slots, self.config.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)
-        self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim,
-                                   decode_kernel=_decode_kernel(rc.attention_backend, rc.device))
-        self.attention_backend = "cpu_kernel" if self.attn.decode_kernel is not None else "torch"
+        self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim, decode_kernel=kernels)
         self.eos_token_ids = tuple(rc.eos_token_ids) or self.config.eos_token_ids
         # Per request slot: output token counts and prompt tokens, for the penalties.
         self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)

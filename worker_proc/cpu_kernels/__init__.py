@@ -10,7 +10,8 @@ import platform
 from pathlib import Path
 
 log = logging.getLogger("loom.kernels")
-_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "paged_attention.cpp", "small_m_linear.cpp",
+                                                    "fused_ops.cpp")]
 _module = None
 _failed = False
 
@@ -41,5 +42,5 @@ def load():
         )
     except Exception as e:  # no compiler / headers: the torch path still works
         _failed = True
-        log.warning("CPU kernels unavailable (%s: %s); using the pure-torch attention path", type(e).__name__, e)
+        log.warning("CPU kernels unavailable (%s: %s); using plain torch ops", type(e).__name__, e)
     return _module

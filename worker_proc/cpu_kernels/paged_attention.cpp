@@ -87,7 +87,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
-}

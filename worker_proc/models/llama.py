@@ -11,28 +11,27 @@ import math
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker_proc.attention import AttentionBackend
+from worker_proc.linear import Linear
 from worker_proc.model_config import ModelConfig
+from worker_proc.ops import Ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to the context length, computed once."""
+    """float32 cos/sin [positions, head_dim] up to the context length, computed once."""
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
@@ -45,9 +44,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, head_dim], broadcast over heads
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) must not round the tables: rotation is computed from float32 values.
+        cos, sin = self.cos, self.sin
+        out = super()._apply(fn, recurse)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return out
 
 
 def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -62,88 +64,91 @@ def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tens
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, ops: Ops):
         super().__init__()
         self.layer_id = layer_id
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, ops)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, ops)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q.copy_(self.q_norm(q.contiguous()))
+            k.copy_(self.k_norm(k.contiguous()))
+        # q and k heads are adjacent in the fused projection: one in-place rotation covers both.
+        self.ops.rope_(qkv, positions, rotary.cos, rotary.sin, self.num_heads + self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer_id, q, k, v)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.view(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Ops):
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = ops
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, ops)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, ops: Ops):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.ops = ops
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, layer_id, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
 
-    def forward(self, x, cos_sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately so each norm also does the residual add."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, norm(x)
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(h, positions, rotary, attn)
+        norm = self.post_attention_layernorm
+        h, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, ops: Ops | None = None):
         super().__init__()
         self.config = config
+        self.ops = ops = ops or Ops()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config, max_positions)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, logit_rows: torch.Tensor
     ) -> torch.Tensor:
         """Returns logits (float32) only for the token rows in `logit_rows`."""
-        x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos_sin, attn)
-        x = self.norm(x[logit_rows])
-        return F.linear(x, self.lm_head_weight).float()
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+        h, _ = self.ops.add_rms_norm(x[logit_rows], residual[logit_rows], self.norm.weight, self.norm.eps)
+        return self.lm_head(h).float()
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -1,0 +1,138 @@
+// Fused element-wise ops of a decoder layer, so a decode step makes a few calls per layer
+// instead of dozens of small torch ops. Each rounds to the activation dtype exactly where the
+// unfused torch code does (worker_proc/ops.py holds that reference), so outputs match it in
+// float32 and within one bf16 rounding step elsewhere.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), per row; with a residual: residual += x first
+// and the sum is what gets normalised.
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * dim;
+      T* res = residual ? residual + r * dim : nullptr;
+      float ss = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        float v = static_cast<float>(xr[i]);
+        if (res) {
+          v = round_to<T>(v + static_cast<float>(res[i]));
+          res[i] = static_cast<T>(v);
+        }
+        h[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(h[i] * inv));
+    }
+  });
+}
+
+// x [T, 2I] = [gate | up] -> T(T(silu(gate)) * up)  [T, I]
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = static_cast<float>(g[i]);
+        o[i] = static_cast<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// Rotary embedding in place on the q and k heads of a fused qkv row:
+// x' = T(T(x * c) + T(rotate_half(x) * s)), with c, s rounded to T first (as the torch code).
+template <typename T>
+void rope_rows(T* qkv, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
+               int64_t row_stride, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(head_dim), s(head_dim), h(head_dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* cp = cos + positions[r] * head_dim;
+      const float* sp = sin + positions[r] * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) { c[d] = round_to<T>(cp[d]); s[d] = round_to<T>(sp[d]); }
+      T* row = qkv + r * row_stride;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* x = row + hd * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) h[d] = static_cast<float>(x[d]);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float rot = d < half ? -h[d + half] : h[d - half];
+          x[d] = static_cast<T>(round_to<T>(h[d] * c[d]) + round_to<T>(rot * s[d]));
+        }
+      }
+    }
+  });
+}
+
+#define LOOM_DISPATCH(dtype, NAME, ...)                                                        \
+  if (dtype == torch::kFloat32) { using scalar_t = float; __VA_ARGS__(); }                     \
+  else if (dtype == torch::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); }         \
+  else TORCH_CHECK(false, NAME ": float32 or bfloat16 expected")
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type(),
+              "rms_norm: contiguous x and weight of one dtype expected");
+  auto out = torch::empty_like(x);
+  const int64_t dim = x.size(-1);
+  LOOM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.numel() / dim, dim, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x (in place); returns rms_norm(residual).
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() &&
+                  x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() &&
+                  x.scalar_type() == weight.scalar_type(),
+              "add_rms_norm: contiguous x, residual, weight of one shape and dtype expected");
+  auto out = torch::empty_like(x);
+  const int64_t dim = x.size(-1);
+  LOOM_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.numel() / dim, dim, static_cast<float>(eps));
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: contiguous [T, 2I] expected");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  LOOM_DISPATCH(x.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1) / 2);
+  });
+  return out;
+}
+
+// Rotates, in place, the first `heads` heads of each row of qkv [T, row_stride] (q then k are
+// adjacent in the fused projection, so q and k heads are rotated in one pass).
+void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+           int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * head_dim, "rope_: qkv [T, W] rows");
+  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == torch::kInt64 && positions.numel() == qkv.size(0),
+              "rope_: int64 positions, one per row");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32 && cos.size(1) == head_dim && head_dim % 2 == 0,
+              "rope_: float32 cos/sin [P, head_dim]");
+  LOOM_DISPATCH(qkv.scalar_type(), "rope_", [&] {
+    rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                        sin.data_ptr<float>(), qkv.size(0), qkv.stride(0), heads, head_dim);
+  });
+}

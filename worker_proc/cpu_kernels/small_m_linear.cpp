@@ -1,0 +1,212 @@
+// y[M, N] = x[M, K] @ W[N, K]^T for a few rows of x (decode batches), where streaming W from
+// memory is the cost. The weights are widened to float32 in registers as they are read, and
+// each widened vector of W serves up to four rows of x. Weight formats:
+//   dense  W float32 / bfloat16 [N, K]
+//   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n]
+//   int4   W uint8 [N, K/2] in groups of 32 (GGUF Q4 order: byte i of a group holds element i in
+//          its low nibble and element i+16 in its high one), per group: w = q * scale + min
+// One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float a) { return _mm512_set1_ps(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+inline Vec load_f32(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load_bf16(const uint16_t* p) {
+  __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+inline Vec load_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec load_u4(const uint8_t* p, bool high) {  // kLanes nibbles from kLanes bytes
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b = high ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0xF));
+  return _mm512_cvtepi32_ps(b);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float a) { return _mm256_set1_ps(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline Vec load_f32(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load_bf16(const uint16_t* p) {
+  __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline Vec load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec load_u4(const uint8_t* p, bool high) {
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  b = high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF));
+  return _mm256_cvtepi32_ps(b);
+}
+#else
+constexpr int64_t kLanes = 1;
+using Vec = float;
+inline Vec vzero() { return 0.f; }
+inline Vec vset(float a) { return a; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
+inline float vsum(Vec a) { return a; }
+inline Vec load_f32(const float* p) { return *p; }
+inline Vec load_bf16(const uint16_t* p) {
+  uint32_t u = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline Vec load_i8(const int8_t* p) { return static_cast<float>(*p); }
+inline Vec load_u4(const uint8_t* p, bool high) { return static_cast<float>(high ? (*p >> 4) : (*p & 0xF)); }
+#endif
+
+constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
+constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
+constexpr int64_t kPrefetchRows = 8;
+
+// Each format: load(n, k) -> W[n, k : k + kLanes] widened; finish(n, acc) applies per-row scales.
+struct DenseF32 {
+  const float* w; int64_t k;
+  Vec load(int64_t n, int64_t j) const { return load_f32(w + n * k + j); }
+  const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
+  float finish(int64_t, float acc) const { return acc; }
+};
+
+struct DenseBF16 {
+  const uint16_t* w; int64_t k;
+  Vec load(int64_t n, int64_t j) const { return load_bf16(w + n * k + j); }
+  const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
+  float finish(int64_t, float acc) const { return acc; }
+};
+
+struct Int8Rows {
+  const int8_t* w; const float* scale; int64_t k;
+  Vec load(int64_t n, int64_t j) const { return load_i8(w + n * k + j); }
+  const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
+  float finish(int64_t n, float acc) const { return acc * scale[n]; }
+};
+
+struct Int4Rows {
+  const uint8_t* w; const float* scale; const float* minimum; int64_t k;
+  Vec load(int64_t n, int64_t j) const {
+    const int64_t g = j / kGroup, in_group = j % kGroup;
+    const uint8_t* bytes = w + n * (k / 2) + g * (kGroup / 2) + in_group % (kGroup / 2);
+    const int64_t s = n * (k / kGroup) + g;
+    return vfma(load_u4(bytes, in_group >= kGroup / 2), vset(scale[s]), vset(minimum[s]));
+  }
+  const void* addr(int64_t n, int64_t j) const { return w + n * (k / 2) + j / 2; }
+  float finish(int64_t, float acc) const { return acc; }
+};
+
+// out[i] = W[n] . x[i] for MX rows of x: one row of W is read front to back (one stream the
+// hardware prefetcher follows) and each widened vector serves all MX rows. Two accumulators
+// per row of x (even and odd vectors of K) hide the FMA latency.
+template <int MX, typename Rows>
+inline void row_dot(const Rows& rows, int64_t n, const float* xf, int64_t k, float out[kXBlock]) {
+  Vec acc[MX][2];
+  for (int i = 0; i < MX; ++i) acc[i][0] = acc[i][1] = vzero();
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= k; j += 2 * kLanes) {
+    // Rows are short: software prefetch a few rows ahead, where the hardware would start late.
+    __builtin_prefetch(rows.addr(n + kPrefetchRows, j));
+    for (int u = 0; u < 2; ++u) {
+      const Vec w = rows.load(n, j + u * kLanes);
+      for (int i = 0; i < MX; ++i) acc[i][u] = vfma(w, load_f32(xf + i * k + j + u * kLanes), acc[i][u]);
+    }
+  }
+  if (j < k) {  // an odd number of vectors
+    const Vec w = rows.load(n, j);
+    for (int i = 0; i < MX; ++i) acc[i][0] = vfma(w, load_f32(xf + i * k + j), acc[i][0]);
+  }
+  for (int i = 0; i < MX; ++i) out[i] = vsum(acc[i][0]) + vsum(acc[i][1]);
+}
+
+template <typename T, typename Rows>
+void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kLanes == 0, "small_m_linear: K (", k, ") must be a multiple of ", kLanes);
+  std::vector<float> xf(m * k);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(xp[i]);
+  T* y = out.data_ptr<T>();
+  // Contiguous row ranges per thread: each thread streams its own part of W.
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
+        float part[kXBlock];
+        const float* xb = xf.data() + i0 * k;
+        const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
+        switch (mx) {
+          case 1: row_dot<1>(rows, n, xb, k, part); break;
+          case 2: row_dot<2>(rows, n, xb, k, part); break;
+          case 3: row_dot<3>(rows, n, xb, k, part); break;
+          default: row_dot<kXBlock>(rows, n, xb, k, part);
+        }
+        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n] = static_cast<T>(rows.finish(n, part[i]));
+      }
+    }
+  });
+}
+
+template <typename Rows>
+torch::Tensor dispatch(const torch::Tensor& x_in, const Rows& rows, int64_t n_out) {
+  auto x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  auto out = torch::empty({x.size(0), n_out}, x.options());
+  if (x.scalar_type() == torch::kFloat32) {
+    run<float>(x, rows, n_out, out);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    run<at::BFloat16>(x, rows, n_out, out);
+  } else {
+    TORCH_CHECK(false, "small_m_linear: activations must be float32 or bfloat16");
+  }
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1), "w must be contiguous [N, K]");
+  if (w.scalar_type() == torch::kFloat32) return dispatch(x, DenseF32{w.data_ptr<float>(), w.size(1)}, w.size(0));
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "dense weights must be float32 or bfloat16");
+  return dispatch(x, DenseBF16{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(1)}, w.size(0));
+}
+
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && w.size(1) == x.size(1), "w must be int8 [N, K]");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0),
+              "scale must be float32 [N]");
+  return dispatch(x, Int8Rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)}, w.size(0));
+}
+
+torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum) {
+  const int64_t k = x.size(1), n = w.size(0);
+  TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
+  TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
+                  minimum.scalar_type() == torch::kFloat32 && scale.numel() == n * (k / kGroup) &&
+                  minimum.numel() == n * (k / kGroup),
+              "scale/min must be float32 [N, K/32]");
+  return dispatch(x, Int4Rows{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(), k}, n);
+}

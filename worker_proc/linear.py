@@ -1,0 +1,65 @@
+"""Linear layers: dense (the checkpoint's weights in the compute dtype) and weight-only
+quantized (`--quantization int8 | int4`), all computed through `Ops`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_proc.ops import Ops, quantize_int4, quantize_int8
+
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.dense_linear(x, self.weight, self.bias)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.int8_linear(x, self.qweight, self.scale, self.bias)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        q, scale, minimum = quantize_int4(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.int4_linear(x, self.qweight, self.scale, self.minimum, self.bias)
+
+
+def quantize_linears(model: nn.Module, scheme: str) -> int:
+    """Replaces every `Linear` in `model` by its quantized form (call after the dtype cast: the
+    scales stay float32). Returns how many were replaced."""
+    if scheme == "none":
+        return 0
+    cls = {"int8": Int8Linear, "int4": Int4Linear}.get(scheme)
+    if cls is None:
+        raise ValueError(f"--quantization {scheme!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, Linear)]
+    for parent, name, child in targets:
+        bias = None if child.bias is None else child.bias.detach()
+        setattr(parent, name, cls(child.weight.detach(), bias, child.ops))
+    return len(targets)

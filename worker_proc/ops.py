@@ -1,0 +1,122 @@
+"""The per-layer ops of a forward pass, from loom's compiled CPU kernels when they are loaded
+(worker_proc/cpu_kernels) and from plain torch otherwise. The torch versions are the reference:
+the kernels round to the activation dtype at the same points.
+
+Linears with few input rows (decode steps) stream their weights through the small-M kernel;
+larger inputs (prefill chunks) go to torch's GEMM, after widening quantized weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT4_GROUP = 32  # weights per int4 scale/min group (the GGUF Q4 block size)
+_VEC = 16  # the small-M kernel walks K in whole vectors
+
+
+class Ops:
+    def __init__(self, kernels=None, small_m_rows: int = 0):
+        self.kernels = kernels
+        # Inputs with at most this many rows take the weight-streaming kernel.
+        self.small_m_rows = small_m_rows if kernels is not None else 0
+
+    # ---- normalisation, activation, rotary ----------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.kernels is not None and x.is_contiguous():
+            return self.kernels.rms_norm(x, weight, eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x); the kernel updates `residual` in place."""
+        if self.kernels is not None and x.is_contiguous() and residual.is_contiguous():
+            return self.kernels.add_rms_norm(x, residual, weight, eps), residual
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> silu(gate) * up."""
+        if self.kernels is not None and gate_up.is_contiguous():
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              heads: int, head_dim: int) -> None:
+        """Rotates the first `heads` heads (q, then k) of each row of qkv [T, W] in place."""
+        if self.kernels is not None and qkv.stride(1) == 1:
+            self.kernels.rope_(qkv, positions, cos, sin, heads, head_dim)
+            return
+        x = qkv[:, : heads * head_dim].view(len(qkv), heads, head_dim)
+        c, s = cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype)
+        half = head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * c + rotated * s)
+
+    # ---- linears --------------------------------------------------------------------------------
+
+    def _small(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.small_m_rows and x.shape[1] % _VEC == 0
+
+    def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._small(x) and x.dtype == weight.dtype:
+            y = self.kernels.linear_dense(x, weight)
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, weight, bias)
+
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        if self._small(x):
+            y = self.kernels.linear_int8(x, qweight, scale)
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
+
+    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        if self._small(x):
+            y = self.kernels.linear_int4(x, qweight, scale, minimum)
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, dequantize_int4(qweight, scale, minimum, x.dtype), bias)
+
+
+# ---- weight-only quantization formats -------------------------------------------------------------
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output row: w ~ q * scale, q in [-127, 127]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of 32 along K (as GGUF Q4_1): w ~ q * scale + min, q in [0, 15].
+    Packed two per byte in GGUF order: byte i of a group holds element i (low nibble) and
+    element i + 16 (high nibble)."""
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs the input size ({k}) to be a multiple of {INT4_GROUP}")
+    w = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    half = INT4_GROUP // 2
+    packed = q[..., :half] | (q[..., half:] << 4)
+    return packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    n = packed.shape[0]
+    groups = scale.shape[1]
+    p = packed.view(n, groups, INT4_GROUP // 2)
+    q = torch.cat((p & 0xF, p >> 4), dim=-1).float()
+    return (q * scale[..., None] + minimum[..., None]).view(n, groups * INT4_GROUP).to(dtype)
