@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP = 32  # weights per int4 scale/min group (the GGUF Q4 block size)
-_VEC = 16  # the small-M kernel walks K in whole vectors
+_VEC = 32  # the small-M kernel walks K in pairs of whole vectors (16 lanes at most)
 
 
 class Ops:

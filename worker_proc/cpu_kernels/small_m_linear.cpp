@@ -83,10 +83,12 @@ inline Vec load_u4(const uint8_t* p, bool high) { return static_cast<float>(high
 
 constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
 constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
-constexpr int64_t kPrefetchRows = 8;
+constexpr int64_t kPrefetchRows = 16;
 
-// Each format: load(n, k) -> W[n, k : k + kLanes] widened; finish(n, acc) applies per-row scales.
+// Each format: load(n, k) -> W[n, k : k + kLanes] widened; finish(n, acc) applies per-row scales;
+// kBlockRows rows of W are walked together.
 struct DenseF32 {
+  static constexpr int64_t kBlockRows = 1;
   const float* w; int64_t k;
   Vec load(int64_t n, int64_t j) const { return load_f32(w + n * k + j); }
   const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
@@ -94,6 +96,7 @@ struct DenseF32 {
 };
 
 struct DenseBF16 {
+  static constexpr int64_t kBlockRows = 1;
   const uint16_t* w; int64_t k;
   Vec load(int64_t n, int64_t j) const { return load_bf16(w + n * k + j); }
   const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
@@ -101,6 +104,7 @@ struct DenseBF16 {
 };
 
 struct Int8Rows {
+  static constexpr int64_t kBlockRows = 8;
   const int8_t* w; const float* scale; int64_t k;
   Vec load(int64_t n, int64_t j) const { return load_i8(w + n * k + j); }
   const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
@@ -108,6 +112,7 @@ struct Int8Rows {
 };
 
 struct Int4Rows {
+  static constexpr int64_t kBlockRows = 8;
   const uint8_t* w; const float* scale; const float* minimum; int64_t k;
   Vec load(int64_t n, int64_t j) const {
     const int64_t g = j / kGroup, in_group = j % kGroup;
@@ -119,54 +124,69 @@ struct Int4Rows {
   float finish(int64_t, float acc) const { return acc; }
 };
 
-// out[i] = W[n] . x[i] for MX rows of x: one row of W is read front to back (one stream the
-// hardware prefetcher follows) and each widened vector serves all MX rows. Two accumulators
-// per row of x (even and odd vectors of K) hide the FMA latency.
-template <int MX, typename Rows>
-inline void row_dot(const Rows& rows, int64_t n, const float* xf, int64_t k, float out[kXBlock]) {
-  Vec acc[MX][2];
-  for (int i = 0; i < MX; ++i) acc[i][0] = acc[i][1] = vzero();
-  int64_t j = 0;
-  for (; j + 2 * kLanes <= k; j += 2 * kLanes) {
-    // Rows are short: software prefetch a few rows ahead, where the hardware would start late.
-    __builtin_prefetch(rows.addr(n + kPrefetchRows, j));
-    for (int u = 0; u < 2; ++u) {
-      const Vec w = rows.load(n, j + u * kLanes);
-      for (int i = 0; i < MX; ++i) acc[i][u] = vfma(w, load_f32(xf + i * k + j + u * kLanes), acc[i][u]);
+// out[r][i] = W[n0 + r] . x[i] for R rows of W and MX rows of x; each widened vector of W
+// serves all MX rows of x. With one row of W (the bandwidth-bound dense formats: one stream the
+// hardware prefetcher follows) two accumulators per dot hide the FMA latency; with several
+// rows (the quantized formats, where widening costs more than the bytes) the rows do.
+template <int R, int MX, typename Rows>
+inline void block_dot(const Rows& rows, int64_t n0, const float* xf, int64_t k, float out[R][kXBlock]) {
+  constexpr int U = R == 1 ? 2 : 1;
+  Vec acc[R][MX][U];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i)
+      for (int u = 0; u < U; ++u) acc[r][i][u] = vzero();
+  for (int64_t j = 0; j < k; j += U * kLanes) {
+    // Rows are short: prefetch a few rows ahead, where the hardware prefetcher starts late.
+    for (int r = 0; r < R; ++r) __builtin_prefetch(rows.addr(n0 + r + kPrefetchRows, j));
+    for (int u = 0; u < U; ++u) {
+      Vec xv[MX];
+      for (int i = 0; i < MX; ++i) xv[i] = load_f32(xf + i * k + j + u * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const Vec w = rows.load(n0 + r, j + u * kLanes);
+        for (int i = 0; i < MX; ++i) acc[r][i][u] = vfma(w, xv[i], acc[r][i][u]);
+      }
     }
   }
-  if (j < k) {  // an odd number of vectors
-    const Vec w = rows.load(n, j);
-    for (int i = 0; i < MX; ++i) acc[i][0] = vfma(w, load_f32(xf + i * k + j), acc[i][0]);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) {
+      float s = 0.f;
+      for (int u = 0; u < U; ++u) s += vsum(acc[r][i][u]);
+      out[r][i] = s;
+    }
+}
+
+template <int R, typename T, typename Rows>
+inline void rows_block(const Rows& rows, int64_t n0, const float* xf, int64_t m, int64_t k, T* y, int64_t n_out) {
+  for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
+    float part[R][kXBlock];
+    const float* xb = xf + i0 * k;
+    const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
+    switch (mx) {
+      case 1: block_dot<R, 1>(rows, n0, xb, k, part); break;
+      case 2: block_dot<R, 2>(rows, n0, xb, k, part); break;
+      case 3: block_dot<R, 3>(rows, n0, xb, k, part); break;
+      default: block_dot<R, kXBlock>(rows, n0, xb, k, part);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<T>(rows.finish(n0 + r, part[r][i]));
   }
-  for (int i = 0; i < MX; ++i) out[i] = vsum(acc[i][0]) + vsum(acc[i][1]);
 }
 
 template <typename T, typename Rows>
 void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kLanes == 0, "small_m_linear: K (", k, ") must be a multiple of ", kLanes);
+  TORCH_CHECK(k % (2 * kLanes) == 0, "small_m_linear: K (", k, ") must be a multiple of ", 2 * kLanes);
   std::vector<float> xf(m * k);
   const T* xp = x.data_ptr<T>();
   for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(xp[i]);
   T* y = out.data_ptr<T>();
+  constexpr int64_t R = Rows::kBlockRows;
+  const int64_t blocks = n_out / R;
   // Contiguous row ranges per thread: each thread streams its own part of W.
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
-        float part[kXBlock];
-        const float* xb = xf.data() + i0 * k;
-        const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
-        switch (mx) {
-          case 1: row_dot<1>(rows, n, xb, k, part); break;
-          case 2: row_dot<2>(rows, n, xb, k, part); break;
-          case 3: row_dot<3>(rows, n, xb, k, part); break;
-          default: row_dot<kXBlock>(rows, n, xb, k, part);
-        }
-        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n] = static_cast<T>(rows.finish(n, part[i]));
-      }
-    }
+  at::parallel_for(0, blocks, 16 / R, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) rows_block<R>(rows, b * R, xf.data(), m, k, y, n_out);
   });
+  for (int64_t n = blocks * R; n < n_out; ++n) rows_block<1>(rows, n, xf.data(), m, k, y, n_out);
 }
 
 template <typename Rows>
