@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <type_traits>
 #include <cstring>
 #include <vector>
 
@@ -111,18 +112,49 @@ struct Int8Rows {
   float finish(int64_t n, float acc) const { return acc * scale[n]; }
 };
 
+// int4 works a whole group at a time: w = q * scale + min gives
+//   W[n] . x = sum_g scale[n, g] * (q_g . x_g) + sum_g min[n, g] * sum(x_g),
+// so only the 4-bit codes are widened, and the group sums of x are computed once per call.
 struct Int4Rows {
-  static constexpr int64_t kBlockRows = 8;
+  static constexpr int64_t kBlockRows = 4;
   const uint8_t* w; const float* scale; const float* minimum; int64_t k;
-  Vec load(int64_t n, int64_t j) const {
-    const int64_t g = j / kGroup, in_group = j % kGroup;
-    const uint8_t* bytes = w + n * (k / 2) + g * (kGroup / 2) + in_group % (kGroup / 2);
-    const int64_t s = n * (k / kGroup) + g;
-    return vfma(load_u4(bytes, in_group >= kGroup / 2), vset(scale[s]), vset(minimum[s]));
-  }
   const void* addr(int64_t n, int64_t j) const { return w + n * (k / 2) + j / 2; }
-  float finish(int64_t, float acc) const { return acc; }
 };
+
+template <int R, int MX>
+inline void int4_block_dot(const Int4Rows& rows, int64_t n0, const float* xf, const float* xsum, int64_t k,
+                           float out[R][kXBlock]) {
+  const int64_t groups = k / kGroup;
+  constexpr int64_t kHalf = kGroup / 2;  // bytes per group
+  Vec acc[R][MX];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) acc[r][i] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < R; ++r) __builtin_prefetch(rows.addr(n0 + r + kPrefetchRows, g * kGroup));
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* bytes = rows.w + (n0 + r) * (k / 2) + g * kHalf;
+      Vec dot[MX];
+      for (int i = 0; i < MX; ++i) dot[i] = vzero();
+      for (int64_t h = 0; h < kHalf; h += kLanes) {  // low nibbles: elements h.., high: 16 + h..
+        const Vec lo = load_u4(bytes + h, false), hi = load_u4(bytes + h, true);
+        for (int i = 0; i < MX; ++i) {
+          const float* xg = xf + i * k + g * kGroup + h;
+          dot[i] = vfma(hi, load_f32(xg + kHalf), vfma(lo, load_f32(xg), dot[i]));
+        }
+      }
+      const Vec sc = vset(rows.scale[(n0 + r) * groups + g]);
+      for (int i = 0; i < MX; ++i) acc[r][i] = vfma(dot[i], sc, acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* mins = rows.minimum + (n0 + r) * groups;
+    for (int i = 0; i < MX; ++i) {
+      float offset = 0.f;
+      for (int64_t g = 0; g < groups; ++g) offset += mins[g] * xsum[i * groups + g];
+      out[r][i] = vsum(acc[r][i]) + offset;
+    }
+  }
+}
 
 // out[r][i] = W[n0 + r] . x[i] for R rows of W and MX rows of x; each widened vector of W
 // serves all MX rows of x. With one row of W (the bandwidth-bound dense formats: one stream the
@@ -155,20 +187,36 @@ inline void block_dot(const Rows& rows, int64_t n0, const float* xf, int64_t k, 
     }
 }
 
+template <int R, int MX, typename Rows>
+inline void any_block_dot(const Rows& rows, int64_t n0, const float* xf, const float* xsum, int64_t k,
+                          float out[R][kXBlock]) {
+  if constexpr (std::is_same_v<Rows, Int4Rows>) {
+    int4_block_dot<R, MX>(rows, n0, xf, xsum, k, out);
+  } else {
+    block_dot<R, MX>(rows, n0, xf, k, out);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < MX; ++i) out[r][i] = rows.finish(n0 + r, out[r][i]);
+  }
+}
+
+// xsum: per row of x, the sum of each int4 group (only the int4 format reads it).
 template <int R, typename T, typename Rows>
-inline void rows_block(const Rows& rows, int64_t n0, const float* xf, int64_t m, int64_t k, T* y, int64_t n_out) {
+inline void rows_block(const Rows& rows, int64_t n0, const float* xf, const float* xsum, int64_t m, int64_t k,
+                       T* y, int64_t n_out) {
+  const int64_t groups = k / kGroup;
   for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
     float part[R][kXBlock];
     const float* xb = xf + i0 * k;
+    const float* sb = xsum + i0 * groups;
     const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
     switch (mx) {
-      case 1: block_dot<R, 1>(rows, n0, xb, k, part); break;
-      case 2: block_dot<R, 2>(rows, n0, xb, k, part); break;
-      case 3: block_dot<R, 3>(rows, n0, xb, k, part); break;
-      default: block_dot<R, kXBlock>(rows, n0, xb, k, part);
+      case 1: any_block_dot<R, 1>(rows, n0, xb, sb, k, part); break;
+      case 2: any_block_dot<R, 2>(rows, n0, xb, sb, k, part); break;
+      case 3: any_block_dot<R, 3>(rows, n0, xb, sb, k, part); break;
+      default: any_block_dot<R, kXBlock>(rows, n0, xb, sb, k, part);
     }
     for (int r = 0; r < R; ++r)
-      for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<T>(rows.finish(n0 + r, part[r][i]));
+      for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<T>(part[r][i]);
   }
 }
 
@@ -179,14 +227,17 @@ void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor&
   std::vector<float> xf(m * k);
   const T* xp = x.data_ptr<T>();
   for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(xp[i]);
+  std::vector<float> xsum(m * (k / kGroup), 0.f);
+  if constexpr (std::is_same_v<Rows, Int4Rows>)
+    for (int64_t i = 0; i < m * k; ++i) xsum[i / kGroup] += xf[i];
   T* y = out.data_ptr<T>();
   constexpr int64_t R = Rows::kBlockRows;
   const int64_t blocks = n_out / R;
   // Contiguous row ranges per thread: each thread streams its own part of W.
   at::parallel_for(0, blocks, 16 / R, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) rows_block<R>(rows, b * R, xf.data(), m, k, y, n_out);
+    for (int64_t b = begin; b < end; ++b) rows_block<R>(rows, b * R, xf.data(), xsum.data(), m, k, y, n_out);
   });
-  for (int64_t n = blocks * R; n < n_out; ++n) rows_block<1>(rows, n, xf.data(), m, k, y, n_out);
+  for (int64_t n = blocks * R; n < n_out; ++n) rows_block<1>(rows, n, xf.data(), xsum.data(), m, k, y, n_out);
 }
 
 template <typename Rows>
