@@ -108,3 +108,13 @@ def test_quantization_round_trip_error_is_bounded():
     levels[:, 1::32] = -0.07 + 0.15
     q4, s4, m4 = quantize_int4(levels)
     torch.testing.assert_close(dequantize_int4(q4, s4, m4, torch.float32), levels, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernels_match_torch(kernel, dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 320)
+    q8, s8 = quantize_int8(w)
+    torch.testing.assert_close(kernel.dequantize_int8(q8, s8, dtype), dequantize_int8(q8, s8, dtype))
+    q4, s4, m4 = quantize_int4(w)
+    torch.testing.assert_close(kernel.dequantize_int4(q4, s4, m4, dtype), dequantize_int4(q4, s4, m4, dtype))

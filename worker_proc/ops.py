@@ -73,14 +73,18 @@ class Ops:
         if self._small(x):
             y = self.kernels.linear_int8(x, qweight, scale)
             return y if bias is None else y.add_(bias)
-        return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
+        widened = (self.kernels.dequantize_int8(qweight, scale, x.dtype) if self.kernels is not None
+                   else dequantize_int8(qweight, scale, x.dtype))
+        return F.linear(x, widened, bias)
 
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
         if self._small(x):
             y = self.kernels.linear_int4(x, qweight, scale, minimum)
             return y if bias is None else y.add_(bias)
-        return F.linear(x, dequantize_int4(qweight, scale, minimum, x.dtype), bias)
+        widened = (self.kernels.dequantize_int4(qweight, scale, minimum, x.dtype) if self.kernels is not None
+                   else dequantize_int4(qweight, scale, minimum, x.dtype))
+        return F.linear(x, widened, bias)
 
 
 # ---- weight-only quantization formats -------------------------------------------------------------

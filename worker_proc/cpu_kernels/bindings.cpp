@@ -6,6 +6,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
+torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype);
+torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor x);
@@ -17,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights with per-row scales");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");
+  m.def("dequantize_int8", &dequantize_int8, "int8 weights widened to float32 / bfloat16");
+  m.def("dequantize_int4", &dequantize_int4, "int4 weights widened to float32 / bfloat16");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place), then RMSNorm of residual");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] row");

@@ -281,3 +281,51 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
               "scale/min must be float32 [N, K/32]");
   return dispatch(x, Int4Rows{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(), k}, n);
 }
+
+// Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
+// torch's GEMM on the widened copy beats streaming the codes once per row block.
+torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && scale.is_contiguous() &&
+                  scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0), "dequantize_int8: int8 [N, K], float32 [N]");
+  const int64_t n = w.size(0), k = w.size(1);
+  auto out = torch::empty({n, k}, w.options().dtype(dtype));
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "dequantize_int8: float32 or bfloat16 output");
+  const int8_t* q = w.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, dtype, "dequantize_int8", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t j = 0; j < k; ++j) o[r * k + j] = static_cast<scalar_t>(static_cast<float>(q[r * k + j]) * s[r]);
+    });
+  });
+  return out;
+}
+
+torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype) {
+  const int64_t n = w.size(0), k = w.size(1) * 2, groups = k / kGroup;
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && k % kGroup == 0 && scale.is_contiguous() &&
+                  minimum.is_contiguous() && scale.numel() == n * groups && minimum.numel() == n * groups,
+              "dequantize_int4: uint8 [N, K/2], float32 scale/min [N, K/32]");
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "dequantize_int4: float32 or bfloat16 output");
+  auto out = torch::empty({n, k}, w.options().dtype(dtype));
+  const uint8_t* q = w.data_ptr<uint8_t>();
+  const float* s = scale.data_ptr<float>();
+  const float* mn = minimum.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, dtype, "dequantize_int4", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* b = q + r * (k / 2) + g * (kGroup / 2);
+          const float sc = s[r * groups + g], m = mn[r * groups + g];
+          scalar_t* og = o + r * k + g * kGroup;
+          for (int64_t i = 0; i < kGroup / 2; ++i) {
+            og[i] = static_cast<scalar_t>(static_cast<float>(b[i] & 0xF) * sc + m);
+            og[i + kGroup / 2] = static_cast<scalar_t>(static_cast<float>(b[i] >> 4) * sc + m);
+          }
+        }
+    });
+  });
+  return out;
+}
