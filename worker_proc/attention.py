@@ -75,8 +75,11 @@ class TorchAttention:
         kv = self.pool.kv[layer_id]
         kv_rows = kv.view(self.row_view_shape)
         kv_rows.index_copy_(0, b.out_cache_loc, torch.cat((k, v), dim=1).view(len(k), -1))
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = len(b.decode_tokens)
+        if self.decode_kernel is not None and not b.extends:  # a decode-only step: no scatter
+            return self.decode_kernel.paged_decode_attention(
+                q.contiguous(), kv, self.pool.req_to_token, b.decode_reqs, b.decode_seq_lens, self.scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if n:
             q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]
             if self.decode_kernel is not None:

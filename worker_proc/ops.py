@@ -102,16 +102,18 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric per group of 32 along K (as GGUF Q4_1): w ~ q * scale + min, q in [0, 15].
-    Packed two per byte in GGUF order: byte i of a group holds element i (low nibble) and
-    element i + 16 (high nibble)."""
+    """Asymmetric per group of 32 along K, as GGUF Q4_1: w ~ q * scale + min, q in [0, 15], scale
+    and min kept in float16. Packed two per byte in GGUF order: byte i of a group holds element i
+    (low nibble) and element i + 16 (high nibble)."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ValueError(f"int4 needs the input size ({k}) to be a multiple of {INT4_GROUP}")
     w = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    # codes on the grid that is stored: float16 scale and min
+    scale = ((hi - lo) / 15.0).clamp_min(1e-7).half()
+    lo = lo.half()
+    q = torch.round((w - lo.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.uint8)
     half = INT4_GROUP // 2
     packed = q[..., :half] | (q[..., half:] << 4)
     return packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous()
@@ -123,4 +125,4 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
     groups = scale.shape[1]
     p = packed.view(n, groups, INT4_GROUP // 2)
     q = torch.cat((p & 0xF, p >> 4), dim=-1).float()
-    return (q * scale[..., None] + minimum[..., None]).view(n, groups * INT4_GROUP).to(dtype)
+    return (q * scale.float()[..., None] + minimum.float()[..., None]).view(n, groups * INT4_GROUP).to(dtype)

@@ -4,7 +4,8 @@
 //   dense  W float32 / bfloat16 [N, K]
 //   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n]
 //   int4   W uint8 [N, K/2] in groups of 32 (GGUF Q4 order: byte i of a group holds element i in
-//          its low nibble and element i+16 in its high one), per group: w = q * scale + min
+//          its low nibble and element i+16 in its high one), per group float16 scale and min:
+//          w = q * scale + min (the GGUF Q4_1 block, 20 bytes per 32 weights)
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -82,6 +83,14 @@ inline Vec load_i8(const int8_t* p) { return static_cast<float>(*p); }
 inline Vec load_u4(const uint8_t* p, bool high) { return static_cast<float>(high ? (*p >> 4) : (*p & 0xF)); }
 #endif
 
+inline float half_to_float(const at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
 constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
 constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
 constexpr int64_t kPrefetchRows = 16;
@@ -117,7 +126,7 @@ struct Int8Rows {
 // so only the 4-bit codes are widened, and the group sums of x are computed once per call.
 struct Int4Rows {
   static constexpr int64_t kBlockRows = 4;
-  const uint8_t* w; const float* scale; const float* minimum; int64_t k;
+  const uint8_t* w; const at::Half* scale; const at::Half* minimum; int64_t k;
   const void* addr(int64_t n, int64_t j) const { return w + n * (k / 2) + j / 2; }
 };
 
@@ -142,15 +151,15 @@ inline void int4_block_dot(const Int4Rows& rows, int64_t n0, const float* xf, co
           dot[i] = vfma(hi, load_f32(xg + kHalf), vfma(lo, load_f32(xg), dot[i]));
         }
       }
-      const Vec sc = vset(rows.scale[(n0 + r) * groups + g]);
+      const Vec sc = vset(half_to_float(rows.scale[(n0 + r) * groups + g]));
       for (int i = 0; i < MX; ++i) acc[r][i] = vfma(dot[i], sc, acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float* mins = rows.minimum + (n0 + r) * groups;
+    const at::Half* mins = rows.minimum + (n0 + r) * groups;
     for (int i = 0; i < MX; ++i) {
       float offset = 0.f;
-      for (int64_t g = 0; g < groups; ++g) offset += mins[g] * xsum[i * groups + g];
+      for (int64_t g = 0; g < groups; ++g) offset += half_to_float(mins[g]) * xsum[i * groups + g];
       out[r][i] = vsum(acc[r][i]) + offset;
     }
   }
@@ -275,11 +284,11 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   const int64_t k = x.size(1), n = w.size(0);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
-  TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
-                  minimum.scalar_type() == torch::kFloat32 && scale.numel() == n * (k / kGroup) &&
+  TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == torch::kHalf &&
+                  minimum.scalar_type() == torch::kHalf && scale.numel() == n * (k / kGroup) &&
                   minimum.numel() == n * (k / kGroup),
-              "scale/min must be float32 [N, K/32]");
-  return dispatch(x, Int4Rows{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(), k}, n);
+              "scale/min must be float16 [N, K/32]");
+  return dispatch(x, Int4Rows{w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), minimum.data_ptr<at::Half>(), k}, n);
 }
 
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
@@ -305,20 +314,21 @@ torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarTy
 torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype) {
   const int64_t n = w.size(0), k = w.size(1) * 2, groups = k / kGroup;
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && k % kGroup == 0 && scale.is_contiguous() &&
-                  minimum.is_contiguous() && scale.numel() == n * groups && minimum.numel() == n * groups,
-              "dequantize_int4: uint8 [N, K/2], float32 scale/min [N, K/32]");
+                  minimum.is_contiguous() && scale.scalar_type() == torch::kHalf &&
+                  minimum.scalar_type() == torch::kHalf && scale.numel() == n * groups && minimum.numel() == n * groups,
+              "dequantize_int4: uint8 [N, K/2], float16 scale/min [N, K/32]");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "dequantize_int4: float32 or bfloat16 output");
   auto out = torch::empty({n, k}, w.options().dtype(dtype));
   const uint8_t* q = w.data_ptr<uint8_t>();
-  const float* s = scale.data_ptr<float>();
-  const float* mn = minimum.data_ptr<float>();
+  const at::Half* s = scale.data_ptr<at::Half>();
+  const at::Half* mn = minimum.data_ptr<at::Half>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, dtype, "dequantize_int4", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* b = q + r * (k / 2) + g * (kGroup / 2);
-          const float sc = s[r * groups + g], m = mn[r * groups + g];
+          const float sc = half_to_float(s[r * groups + g]), m = half_to_float(mn[r * groups + g]);
           scalar_t* og = o + r * k + g * kGroup;
           for (int64_t i = 0; i < kGroup / 2; ++i) {
             og[i] = static_cast<scalar_t>(static_cast<float>(b[i] & 0xF) * sc + m);
