@@ -35,7 +35,8 @@ class Detokenizer:
                 del self.streams[d.rid]
             items.append(TextDelta(rid=d.rid, text=text, new_ids=d.new_ids, prompt_tokens=d.prompt_tokens,
                                    completion_tokens=d.completion_tokens, finish=d.finish,
-                                   retractions=d.retractions, logprobs=d.logprobs))
+                                   retractions=d.retractions, logprobs=d.logprobs,
+                                   cached_tokens=d.cached_tokens))
         return BatchTextOut(items)
 
 

@@ -51,6 +51,15 @@ class GenerateReq(msgspec.Struct, tag=True):
     sampling: SamplingParams
     priority: int = 0
     routing_key: str | None = None
+    # Requests of one group with identical input_ids share one prefill (the n choices of a prompt).
+    prefill_group: str | None = None
+
+
+class GenerateReqs(msgspec.Struct, tag=True):
+    """Requests made together, in one frame, so the scheduler sees them all before it plans the
+    next step (the n choices of a prompt then share its prefill)."""
+
+    reqs: list[GenerateReq]
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -62,7 +71,7 @@ class StatsReq(msgspec.Struct, tag=True):
     query_id: str
 
 
-ToScheduler = GenerateReq | AbortReq | StatsReq
+ToScheduler = GenerateReq | GenerateReqs | AbortReq | StatsReq
 
 
 # ---- scheduler -> worker ----------------------------------------------------------------
@@ -82,6 +91,9 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     sample_rows: list[int]  # rows whose last position is sampled (prompt complete)
     sampling: list[SamplingParams]  # one per sample row
     output_lens: list[int]  # tokens each sampled request has generated so far (seeded noise)
+    # (src req slot, dst req slot, n): after this step's KV writes, dst's first n tokens are src's
+    # (a request that shares another's prefill; its sample entry points at src's row).
+    forks: list[tuple[int, int, int]] = []
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -131,6 +143,7 @@ class TokenDelta(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     retractions: int = 0
     logprobs: list[TokenLogprobs] = []  # one per new id when the request asked
+    cached_tokens: int = 0  # prompt tokens it did not compute (shared from another request)
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -146,6 +159,7 @@ class TextDelta(msgspec.Struct, omit_defaults=True):
     finish: FinishReason | None = None
     retractions: int = 0
     logprobs: list[TokenLogprobs] = []
+    cached_tokens: int = 0
 
 
 class BatchTextOut(msgspec.Struct, tag=True):

@@ -5,6 +5,11 @@ The scheduler process, the tests (and later the simulator) drive the same object
 token, continues a chunked prompt, and admits waiting requests while the step's token budget,
 the request slots and the KV pool allow (continuous batching, decodes and prefills in one
 packed forward).
+
+Requests of one prefill group with identical prompts (the n choices of an OpenAI request) share
+one prefill: the first is the group's leader and computes the prompt; the others wait parked on
+it, and when its last prompt chunk is scheduled they fork from it (its KV slots, shared by
+reference count, and its logits row for their first token).
 """
 
 from __future__ import annotations
@@ -80,6 +85,10 @@ class SchedulerCore:
         self.last_batch_was_prefill = False
         self.now: float | None = None  # the clock value the caller passed to next_batch
         self._eos = frozenset(config.eos_token_ids)
+        # prefill group -> its leader, until the leader forks (or ends and hands over)
+        self.group_leaders: dict[str, Req] = {}
+        self.num_prompt_tokens = 0  # prompt tokens of every request admitted or forked, once each
+        self.num_cached_prompt_tokens = 0  # of those, the ones forked instead of computed
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -95,12 +104,21 @@ class SchedulerCore:
                 f"{min(limit, self.config.max_total_tokens) - 1}",
             )
         req.state = ReqState.WAITING
+        if req.prefill_group is not None:
+            leader = self.group_leaders.get(req.prefill_group)
+            if leader is None:
+                self.group_leaders[req.prefill_group] = req
+            elif leader.input_ids == req.input_ids:
+                leader.followers.append(req)  # parked until the leader's prompt is computed
+                return None
         self.waiting.append(req)
         return None
 
     def abort(self, rid: str, message: str = "aborted") -> list[ReqOutput]:
         """Abort one request by id ("" aborts all), from any state, freeing what it holds."""
-        outputs = []
+        # Parked followers first, so an aborted leader hands its group only to followers that stay.
+        outputs = [self._finish(req, FinishReason("abort", message=message))
+                   for req in self._unpark(lambda r: rid == "" or r.rid == rid)]
         for req in [*self.waiting, *self.running]:
             if rid == "" or req.rid == rid:
                 if req.state is ReqState.WAITING:
@@ -190,8 +208,9 @@ class SchedulerCore:
             pool_free=self.token_pool.num_free,
             nothing_running=not self.running,
         )
-        # A request whose prompt was chunked last step resumes first.
-        for req in self.running:
+        # A request whose prompt was chunked last step resumes first. (A copy: a leader's last
+        # chunk forks its followers into self.running.)
+        for req in list(self.running):
             if req.num_pending > 1:
                 n = min(req.num_pending, adder.rem_input, cfg.chunked_prefill_size or req.num_pending,
                         self.token_pool.num_free)
@@ -209,6 +228,8 @@ class SchedulerCore:
             req.state = ReqState.RUNNING
             if req.started is None:
                 req.started = self.now
+            if req.retractions == 0:  # its first admission (only a retraction brings one back)
+                self.num_prompt_tokens += len(req.input_ids)
             self.running.append(req)
             self._extend(batch, req, n)
 
@@ -218,6 +239,9 @@ class SchedulerCore:
     def _check_timeouts(self, now: float) -> list[ReqOutput]:
         cfg, ended = self.config, []
         if cfg.waiting_timeout is not None:
+            ended += [self._finish(req, FinishReason(
+                "abort", message=f"waited more than {cfg.waiting_timeout:g} s in the queue"))
+                for req in self._unpark(lambda r: now - r.arrival > cfg.waiting_timeout)]
             for req in [r for r in self.waiting if now - r.arrival > cfg.waiting_timeout]:
                 self.waiting.remove(req)
                 ended.append(self._finish(req, FinishReason(
@@ -233,9 +257,66 @@ class SchedulerCore:
         assert slots is not None, "caller checked the pool"
         batch.rows.append(BatchRow(req, req.num_computed, n, slots))
         req.kv_slots = np.concatenate([req.kv_slots, slots]) if len(req.kv_slots) else slots
+        if req.prefill_group is not None and not req.output_ids and req.num_computed == len(req.input_ids):
+            self._fork_followers(batch, req)
+
+    # ---- shared prefills ---------------------------------------------------------------
+
+    def _fork_followers(self, batch: ScheduleBatch, leader: Req) -> None:
+        """The leader's last prompt chunk is in `batch`: each parked follower that gets a request
+        slot shares the leader's prompt KV and samples its first token from the leader's row; the
+        worker copies the leader's req_to_token prefix after this step's KV writes. Followers
+        left without a request slot queue again behind one of them."""
+        if self.group_leaders.get(leader.prefill_group) is leader:
+            del self.group_leaders[leader.prefill_group]  # later arrivals start the group anew
+        followers, leader.followers = leader.followers, []
+        leader_row = len(batch.rows) - 1
+        prompt_len = len(leader.input_ids)
+        for i, f in enumerate(followers):
+            idx = self.req_pool.alloc()
+            if idx is None:
+                self._lead_group(followers[i:])
+                return
+            self.token_pool.share(leader.kv_slots)
+            f.kv_slots = leader.kv_slots.copy()
+            f.req_pool_idx = idx
+            f.state = ReqState.RUNNING
+            if f.started is None:
+                f.started = self.now
+            f.cached_tokens = prompt_len
+            self.num_prompt_tokens += prompt_len
+            self.num_cached_prompt_tokens += prompt_len
+            self.running.append(f)
+            batch.rows.append(BatchRow(f, prompt_len, 0, np.empty(0, dtype=np.int32), logits_of=leader_row))
+            batch.forks.append((leader.req_pool_idx, idx, prompt_len))
+
+    def _lead_group(self, followers: list[Req]) -> None:
+        """Followers without a leader (it ended before its prefill, or no request slot was free
+        at the fork): the first leads the others, from the front of the queue."""
+        if not followers:
+            return
+        head, *rest = followers
+        head.followers = rest
+        self.group_leaders.setdefault(head.prefill_group, head)
+        self.waiting.appendleft(head)
+
+    def _unpark(self, pred: Callable[[Req], bool]) -> list[Req]:
+        """Remove and return the parked followers that `pred` selects."""
+        taken = []
+        for leader in [*self.waiting, *self.running]:
+            if leader.followers:
+                taken += [f for f in leader.followers if pred(f)]
+                leader.followers = [f for f in leader.followers if not pred(f)]
+        return taken
+
+    def _num_parked(self) -> int:
+        return sum(len(r.followers) for r in (*self.waiting, *self.running))
 
     def _expected_output(self, req: Req) -> int:
-        return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+        """Output tokens to reserve KV for: the request's own and its parked followers' (they
+        fork from it and then grow on their own)."""
+        return sum(int(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+                   for r in (req, *req.followers))
 
     def _reserved_tokens(self) -> int:
         return sum(self._expected_output(r) + max(r.num_pending - 1, 0) for r in self.running)
@@ -273,6 +354,10 @@ class SchedulerCore:
     def _finish(self, req: Req, finish: FinishReason) -> ReqOutput:
         if req.state is ReqState.RUNNING:
             self._release(req)
+        if req.prefill_group is not None and self.group_leaders.get(req.prefill_group) is req:
+            del self.group_leaders[req.prefill_group]
+        followers, req.followers = req.followers, []
+        self._lead_group(followers)  # a leader that ends before it forked hands its group over
         req.state = ReqState.FINISHED
         req.finish = finish
         return ReqOutput(req, self._take_unsent(req), True)
@@ -300,7 +385,7 @@ class SchedulerCore:
     def stats(self) -> dict[str, int | float]:
         return {
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
+            "num_waiting": len(self.waiting) + self._num_parked(),
             "kv_slots_total": self.token_pool.capacity,
             "kv_slots_free": self.token_pool.num_free,
             "req_slots_total": self.req_pool.capacity,
@@ -309,6 +394,9 @@ class SchedulerCore:
             "num_retractions": self.num_retractions,
             "idle_check_failures": self.idle_check_failures,
             "step": self.step,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "cache_hit_rate": self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
         }
 
     def idle_leaks(self) -> list[str]:
@@ -320,5 +408,7 @@ class SchedulerCore:
             problems.append(f"{self.token_pool.capacity - self.token_pool.num_free} KV slots leaked")
         if self.req_pool.num_free != self.req_pool.capacity:
             problems.append(f"{self.req_pool.capacity - self.req_pool.num_free} request slots leaked")
+        if self.group_leaders:
+            problems.append(f"{len(self.group_leaders)} prefill groups left open")
         self.idle_check_failures += bool(problems)
         return problems

@@ -8,12 +8,16 @@ import numpy as np
 
 class TokenSlotAllocator:
     """Slots 1..capacity of the worker's KV pool. Slot 0 is a scratch slot the worker may use for
-    padding, so it is never handed out."""
+    padding, so it is never handed out.
+
+    Slots are reference counted: requests that share a prefill hold the same slots, and a slot
+    returns to the free list only when its last holder frees it."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._free = np.arange(capacity, 0, -1, dtype=np.int32)  # stack: top is slot 1
         self._num_free = capacity
+        self._refs = np.zeros(capacity + 1, dtype=np.int32)  # holders per slot (index 0 unused)
 
     @property
     def num_free(self) -> int:
@@ -23,16 +27,31 @@ class TokenSlotAllocator:
         if n > self._num_free:
             return None
         self._num_free -= n
-        return self._free[self._num_free : self._num_free + n][::-1].copy()
+        slots = self._free[self._num_free : self._num_free + n][::-1].copy()
+        self._refs[slots] = 1
+        return slots
+
+    def share(self, slots: np.ndarray) -> None:
+        """One more holder for each of `slots` (distinct, all in use)."""
+        if len(slots) and (self._refs[slots] <= 0).any():
+            raise RuntimeError("sharing KV slots that are not in use")
+        self._refs[slots] += 1
 
     def free(self, slots: np.ndarray) -> None:
-        n = len(slots)
-        if n == 0:
+        """One holder fewer for each of `slots` (distinct); slots nobody holds become free."""
+        if len(slots) == 0:
             return
-        if self._num_free + n > self.capacity:
+        if (self._refs[slots] <= 0).any():
             raise RuntimeError("double free of KV slots")
-        self._free[self._num_free : self._num_free + n] = slots[::-1]
+        self._refs[slots] -= 1
+        released = slots[self._refs[slots] == 0]
+        n = len(released)
+        self._free[self._num_free : self._num_free + n] = released[::-1]
         self._num_free += n
+
+    def refcounts(self, slots: np.ndarray) -> np.ndarray:
+        """Holders of each of `slots` (for checks)."""
+        return self._refs[slots].copy()
 
 
 class ReqSlotAllocator:

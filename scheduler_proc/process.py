@@ -10,7 +10,7 @@ import time
 import zmq
 
 from detokenizer_proc.decoder import load_decoder
-from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, StatsReq,
+from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, GenerateReqs, StatsReq,
                           StatsResp, TokenDelta, ToScheduler, WorkerError, WorkerReady)
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import Receiver, Sender
@@ -94,15 +94,21 @@ class SchedulerProcess:
 
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
-            req = Req(msg.rid, msg.input_ids, msg.sampling, arrival=self.clock(), priority=msg.priority,
-                      routing_key=msg.routing_key)
-            ended = self.core.add_request(req)
-            if ended is not None:
-                self.emit([ended])
+            self.add_request(msg)
+        elif isinstance(msg, GenerateReqs):
+            for one in msg.reqs:
+                self.add_request(one)
         elif isinstance(msg, AbortReq):
             self.emit(self.core.abort(msg.rid, msg.message))
         elif isinstance(msg, StatsReq):
             self.detokenizer.send(StatsResp(msg.query_id, self.core.stats()))
+
+    def add_request(self, msg: GenerateReq) -> None:
+        req = Req(msg.rid, msg.input_ids, msg.sampling, arrival=self.clock(), priority=msg.priority,
+                  routing_key=msg.routing_key, prefill_group=msg.prefill_group)
+        ended = self.core.add_request(req)
+        if ended is not None:
+            self.emit([ended])
 
     def drain_requests(self) -> None:
         while self.requests.poll(0):
@@ -121,7 +127,7 @@ class SchedulerProcess:
                 rid=r.rid, new_ids=o.new_ids, prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids),
                 finish=r.finish if o.finished else None, stop=r.sampling.stop,
                 skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions,
-                logprobs=r.output_logprobs[first:] if r.sampling.logprobs else []))
+                logprobs=r.output_logprobs[first:] if r.sampling.logprobs else [], cached_tokens=r.cached_tokens))
         self.detokenizer.send(BatchTokenOut(items))
 
     # ---- loop ------------------------------------------------------------------------------

@@ -1,7 +1,12 @@
 """Property test: random arrivals, lengths, aborts and scheduler settings never leak a slot,
-never exceed capacity, and end every request exactly once."""
+never exceed capacity, and end every request exactly once. Some requests come as groups that
+share one prefill (the n choices of a prompt), some join a group late."""
 
 from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,7 +16,10 @@ from scheduler_proc.req import Req
 from test_core import FakeWorker, make_core, reference
 
 event = st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 120), st.integers(1, 40), st.integers(0, 3)),
+    # (add, prompt length, max_new_tokens, priority, copies: > 1 is a group sharing one prefill)
+    st.tuples(st.just("add"), st.integers(1, 120), st.integers(1, 40), st.integers(0, 3),
+              st.sampled_from([1, 1, 2, 3])),
+    st.tuples(st.just("join"), st.integers(0, 60), st.integers(1, 40)),  # one more in r{k}'s group
     st.tuples(st.just("abort"), st.integers(0, 60)),
     st.tuples(st.just("abort_all")),
     st.tuples(st.just("step"), st.integers(1, 4)),
@@ -41,6 +49,7 @@ def test_random_workloads_never_leak_and_end_every_request_once(cfg, events):
     ended: dict[str, int] = {}
     outputs: dict[str, list[int]] = {}
     prompts: dict[str, list[int]] = {}
+    groups: dict[str, str] = {}  # rid -> its prefill group
     added = 0
 
     def record(outs):
@@ -56,21 +65,37 @@ def test_random_workloads_never_leak_and_end_every_request_once(cfg, events):
             assert batch.num_tokens <= capacity
             record(core.on_result(batch, worker.forward(batch.to_worker_batch())))
         used = capacity - core.token_pool.num_free
-        held = sum(len(r.kv_slots) for r in core.running)
-        assert used == held, "slots in use must be exactly those running requests hold"
+        holders = Counter(int(s) for r in core.running for s in r.kv_slots)
+        assert used == len(holders), "slots in use must be exactly those running requests hold"
+        if holders:
+            slots = np.fromiter(holders, dtype=np.int32)
+            assert core.token_pool.refcounts(slots).tolist() == [holders[s] for s in slots.tolist()]
         assert len(core.running) <= core.req_pool.capacity
+
+    def add(prompt: list[int], max_new: int, prio: int, group: str | None) -> None:
+        nonlocal added
+        rid = f"r{added}"
+        prompts[rid] = prompt
+        if group is not None:
+            groups[rid] = group
+        r = Req(rid, prompt, SamplingParams(max_new_tokens=max_new), arrival=float(added),
+                priority=prio, routing_key=f"k{prio}" if prio else None, prefill_group=group)
+        added += 1
+        out = core.add_request(r)
+        if out is not None:
+            record([out])
 
     for ev in events:
         if ev[0] == "add":
-            _, length, max_new, prio = ev
-            rid = f"r{added}"
-            prompts[rid] = [(added * 7 + i) % 900 + 3 for i in range(length)]
-            r = Req(rid, prompts[rid], SamplingParams(max_new_tokens=max_new), arrival=float(added),
-                    priority=prio, routing_key=f"k{prio}" if prio else None)
-            added += 1
-            out = core.add_request(r)
-            if out is not None:
-                record([out])
+            _, length, max_new, prio, copies = ev
+            prompt = [(added * 7 + i) % 900 + 3 for i in range(length)]
+            group = f"g{added}" if copies > 1 else None
+            for _ in range(copies):
+                add(list(prompt), max_new, prio, group)
+        elif ev[0] == "join":
+            rid = f"r{ev[1]}"
+            if rid in groups:
+                add(list(prompts[rid]), ev[2], 0, groups[rid])
         elif ev[0] == "abort":
             record(core.abort(f"r{ev[1]}"))
         elif ev[0] == "abort_all":
@@ -83,7 +108,7 @@ def test_random_workloads_never_leak_and_end_every_request_once(cfg, events):
             break
         one_step()
     assert not core.waiting and not core.running, "the workload must drain"
-    assert not core.idle_leaks()
+    assert not core.idle_leaks() and core.stats()["num_waiting"] == 0
     assert set(ended) == set(prompts) and all(n == 1 for n in ended.values()), ended
     for rid, out in outputs.items():
         # every request's tokens are the reference continuation, however it was scheduled

@@ -43,3 +43,42 @@ def test_counts_and_prompt_masks_track_every_request(tmp_path):
             checked += 1
         core.on_result(batch, ids)
     assert core.num_retractions > 0 and checked > 100
+
+
+def test_forked_choices_see_exact_penalty_state_and_match_lone_runs(tmp_path):
+    """The n choices of a prompt share one prefill: a forked slot gets the prompt mask and fresh
+    counts, so each choice samples exactly as it would alone (greedy, and seeded with penalties)."""
+    ckpt = build_tiny_checkpoint("llama", tmp_path / "llama", seed=0)
+    runner = ModelRunner(RunnerConfig(str(ckpt), torch.float32, kv_cache_gb=0.01, max_running_requests=4))
+    prompt = np.random.default_rng(1).integers(0, 1000, 37).tolist()
+
+    def params(seed):
+        return SamplingParams(max_new_tokens=12, temperature=0.0 if seed is None else 1.0, seed=seed,
+                              frequency_penalty=0.5, repetition_penalty=1.3, ignore_eos=True)
+
+    def run(reqs):
+        core = SchedulerCore(SchedulerConfig(max_total_tokens=1000, max_running_requests=4, max_prefill_tokens=16,
+                                             chunked_prefill_size=16, max_context_len=256))
+        for r in reqs:
+            core.add_request(r)
+        while core.waiting or core.running:
+            batch, _ = core.next_batch()
+            ids = runner.forward(batch.to_worker_batch())
+            for row in batch.rows:
+                if row.samples:
+                    slot = row.req.req_pool_idx
+                    expected = np.bincount(np.asarray(row.req.output_ids, dtype=np.int64), minlength=1000)
+                    assert np.array_equal(runner.output_counts.counts[slot].numpy(), expected)
+                    mask = np.zeros(1000, dtype=bool)
+                    mask[prompt] = True
+                    assert np.array_equal(runner.prompt_tokens.mask[slot].numpy(), mask)
+            core.on_result(batch, ids)
+        assert not core.idle_leaks()
+        return core, [r.output_ids for r in reqs]
+
+    seeds = [None, 11, 12, 13]
+    core, together = run([Req(f"c{k}", list(prompt), params(s), prefill_group="g") for k, s in enumerate(seeds)])
+    assert core.stats()["num_cached_prompt_tokens"] == 3 * len(prompt)
+    alone = [run([Req("lone", list(prompt), params(s))])[1][0] for s in seeds]
+    assert together == alone
+    assert len({tuple(o) for o in together[1:]}) > 1  # seeded choices differ

@@ -16,8 +16,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.messages import (AbortReq, BatchTextOut, FinishReason, GenerateReq, SamplingParams, StatsReq, StatsResp,
-                          ToTokenizer)
+from ipc.messages import (AbortReq, BatchTextOut, FinishReason, GenerateReq, GenerateReqs, SamplingParams, StatsReq,
+                          StatsResp, ToTokenizer)
 from ipc.sockets import Endpoints
 from tokenizer_proc.metrics import Metrics
 
@@ -41,6 +41,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     retractions: int = 0
+    cached_tokens: int = 0  # prompt tokens shared from another request's prefill
     logprobs: list = field(default_factory=list)  # TokenLogprobs per output id, when asked
     event: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_at: float | None = None
@@ -90,6 +91,11 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     return sp
 
 
+def _log_send_error(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("sending requests to the scheduler failed: %s", fut.exception())
+
+
 class TokenizerManager:
     def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int, max_queued: int | None = None):
         self.tokenizer = tokenizer
@@ -109,6 +115,7 @@ class TokenizerManager:
         self.metrics = Metrics()
         self.stats_waiters: dict[str, asyncio.Future] = {}
         self.dead: str | None = None  # set when the server is going down: new requests fail fast
+        self._unsent: list[GenerateReq] = []  # requests made in this event-loop turn, sent together
         self._recv_task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -150,9 +157,11 @@ class TokenizerManager:
         stream: bool = False,
         priority: int = 0,
         routing_key: str | None = None,
+        prefill_group: str | None = None,
     ) -> AsyncIterator[dict]:
         """Yields result dicts: once at the end, or after every delta when streaming (text and
-        output_ids cumulative). A consumer that stops early aborts the request."""
+        output_ids cumulative). A consumer that stops early aborts the request. Requests with the
+        same `prefill_group` and prompt share one prefill (the n choices of a prompt)."""
         if self.dead:
             raise RuntimeError(self.dead)
         sp = parse_sampling_params(sampling)
@@ -175,7 +184,7 @@ class TokenizerManager:
             return
         self.states[rid] = state
         try:
-            await self.to_scheduler.send(self.encoder.encode(GenerateReq(rid, ids, sp, priority or 0, routing_key)))
+            self._send_soon(GenerateReq(rid, ids, sp, priority or 0, routing_key, prefill_group))
             while True:
                 await state.event.wait()
                 state.event.clear()
@@ -202,7 +211,22 @@ class TokenizerManager:
             raise QueueFullError(f"the server holds {len(self.states)} requests and its limit is {self.max_queued} "
                                  "(--max-queued-requests); retry later")
 
+    def _send_soon(self, req: GenerateReq) -> None:
+        """Queue a request for the scheduler; every request made in this event-loop turn goes in
+        one frame, so the scheduler sees the n choices of a prompt together and none of them
+        starts its own prefill before the others arrive."""
+        self._unsent.append(req)
+        if len(self._unsent) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_unsent)
+
+    def _flush_unsent(self) -> None:
+        reqs, self._unsent = self._unsent, []
+        if reqs and not self.to_scheduler.closed:
+            msg = reqs[0] if len(reqs) == 1 else GenerateReqs(reqs)
+            self.to_scheduler.send(self.encoder.encode(msg)).add_done_callback(_log_send_error)
+
     async def abort(self, rid: str, message: str = "aborted by client") -> None:
+        self._flush_unsent()  # the abort must not overtake the request it aborts
         await self.to_scheduler.send(self.encoder.encode(AbortReq(rid, message)))
 
     async def get_stats(self, timeout: float = 10.0) -> dict:
@@ -229,6 +253,7 @@ class TokenizerManager:
                 "completion_tokens": len(state.output_ids),
                 "finish_reason": finish,
                 "retractions": state.retractions,
+                "cached_tokens": state.cached_tokens,
                 "e2e_latency": now - state.created,
                 "ttft": (state.first_token_at - state.created) if state.first_token_at else None,
                 # as SGLang: (logprob, token id) per output token, and the top alternatives
@@ -267,7 +292,8 @@ class TokenizerManager:
                 state.output_ids.extend(d.new_ids)
                 state.logprobs.extend(d.logprobs)
                 state.retractions = d.retractions
+                state.cached_tokens = d.cached_tokens
                 if d.finish is not None:
                     state.finish = d.finish
-                    self.metrics.on_finish(now, state.created, state.prompt_tokens, d.finish.type)
+                    self.metrics.on_finish(now, state.created, state.prompt_tokens, d.finish.type, d.cached_tokens)
                 state.event.set()

@@ -1,6 +1,6 @@
 """Prometheus metrics of the serving front end (`GET /metrics`): latency histograms and token
-counters observed here, scheduler gauges (running / waiting requests, KV usage) read at scrape
-time."""
+counters observed here, scheduler gauges (running / waiting requests, KV usage, prefix cache hit
+rate) read at scrape time."""
 
 from __future__ import annotations
 
@@ -20,12 +20,18 @@ class Metrics:
         self.e2e = Histogram("loom_e2e_request_latency_seconds", "Request latency, arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("loom_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("loom_cached_prompt_tokens",
+                                            "Prompt tokens of finished requests that were not computed "
+                                            "(shared from another request's prefill)", registry=r)
         self.generation_tokens = Counter("loom_generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter("loom_requests_finished", "Finished requests by reason", ["reason"], registry=r)
         self.running = Gauge("loom_num_running_reqs", "Requests running in the scheduler", registry=r)
         self.waiting = Gauge("loom_num_waiting_reqs", "Requests waiting in the scheduler", registry=r)
         self.kv_usage = Gauge("loom_kv_cache_usage", "Fraction of KV slots in use", registry=r)
         self.retractions = Gauge("loom_num_retractions", "Retractions since start", registry=r)
+        self.cache_hit_rate = Gauge("loom_cache_hit_rate",
+                                    "Fraction of the scheduler's prompt tokens not computed (shared from another "
+                                    "request's prefill), since start", registry=r)
 
     def on_tokens(self, now: float, created: float, first_at: float | None, last_at: float | None, n: int) -> None:
         if n <= 0:
@@ -38,9 +44,10 @@ class Metrics:
             for _ in range(n):
                 self.itl.observe(gap)
 
-    def on_finish(self, now: float, created: float, prompt_tokens: int, reason: str) -> None:
+    def on_finish(self, now: float, created: float, prompt_tokens: int, reason: str, cached_tokens: int = 0) -> None:
         self.e2e.observe(now - created)
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
         self.finished.labels(reason=reason).inc()
 
     def render(self, stats: dict) -> bytes:
@@ -49,4 +56,5 @@ class Metrics:
         total = stats["kv_slots_total"] or 1
         self.kv_usage.set((stats["kv_slots_total"] - stats["kv_slots_free"]) / total)
         self.retractions.set(stats["num_retractions"])
+        self.cache_hit_rate.set(stats["cache_hit_rate"])
         return generate_latest(self.registry)

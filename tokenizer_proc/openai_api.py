@@ -136,15 +136,16 @@ class OpenAIServing:
                 raise ApiError(400, "the prompt is empty", "prompt")
             self.check_length(len(ids), dict(sampling))
         texts = [p if isinstance(p, str) else self.manager.tokenizer.decode(p) for p in prompts]
-        jobs = [(i * n + k, ids, self._choice_sampling(sampling, k)) for i, ids in enumerate(encoded) for k in range(n)]
-        self.manager.ensure_capacity(len(jobs))
         rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = [(i * n + k, ids, self._choice_sampling(sampling, k), self._prefill_group(rid, i, n))
+                for i, ids in enumerate(encoded) for k in range(n)]
+        self.manager.ensure_capacity(len(jobs))
         if stream:
             return self._stream(rid, "text_completion", model, jobs, sum(map(len, encoded)), include_usage,
                                 lambda idx, delta, finish, lps: {"index": idx, "text": delta,
                                                                  "logprobs": self._completion_logprobs(lps),
                                                                  "finish_reason": finish},
-                                prefix={idx: texts[idx // n] for idx, _, _ in jobs} if echo else None)
+                                prefix={idx: texts[idx // n] for idx, *_ in jobs} if echo else None)
         outs = await self._run_all(jobs)
         choices = [{"index": idx, "text": (texts[idx // n] if echo else "") + out["text"],
                     "logprobs": self._completion_logprobs(_token_logprobs(out) if top is not None else None),
@@ -193,9 +194,9 @@ class OpenAIServing:
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = self.manager.tokenizer.encode(prompt, add_special_tokens=False)
         self.check_length(len(ids), sampling)
-        jobs = [(k, ids, self._choice_sampling(sampling, k)) for k in range(n)]
-        self.manager.ensure_capacity(len(jobs))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = [(k, ids, self._choice_sampling(sampling, k), self._prefill_group(rid, 0, n)) for k in range(n)]
+        self.manager.ensure_capacity(len(jobs))
         if stream:
             return self._stream(rid, "chat.completion.chunk", model, jobs, len(ids), include_usage,
                                 lambda idx, delta, finish, lps: {"index": idx, "delta": delta,
@@ -245,26 +246,34 @@ class OpenAIServing:
             return {**sampling, "seed": sampling["seed"] + k}
         return sampling
 
+    @staticmethod
+    def _prefill_group(rid: str, prompt_index: int, n: int) -> str | None:
+        # the n choices of one prompt share its prefill
+        return f"{rid}-{prompt_index}" if n > 1 else None
+
     async def _run_all(self, jobs) -> list[tuple[int, dict]]:
-        async def one(idx, ids, sampling):
-            return idx, await self.manager.generate_final(input_ids=ids, sampling=sampling)
+        async def one(idx, ids, sampling, group):
+            return idx, await self.manager.generate_final(input_ids=ids, sampling=sampling, prefill_group=group)
 
         return list(await asyncio.gather(*(one(*job) for job in jobs)))
 
     @staticmethod
     def _usage(prompt_tokens: int, outs: list[dict]) -> dict:
-        """Prompt tokens count once per prompt (not per choice), as OpenAI reports them."""
+        """Prompt tokens count once per prompt (not per choice), as OpenAI reports them; cached
+        tokens are those of every choice that shared its prompt's prefill instead of computing it."""
         completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, make_choice, prefix=None, chat=False):
         """SSE chunks of every choice as they come, then a usage chunk if asked, then [DONE].
         Validation already happened, so errors here are the engine's, reported in-stream."""
         queue: asyncio.Queue = asyncio.Queue()
-        gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True) for _, ids, s in jobs]
+        gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True, prefill_group=group)
+                for _, ids, s, group in jobs]
 
-        wants_logprobs = [bool(s.get("logprobs")) for _, _, s in jobs]
+        wants_logprobs = [bool(s.get("logprobs")) for _, _, s, _ in jobs]
 
         async def pump(idx, gen, wants):
             sent, sent_tokens = 0, 0
@@ -289,7 +298,7 @@ class OpenAIServing:
             return f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model, **payload})}\n\n"
 
         async def events() -> AsyncIterator[str]:
-            tasks = [asyncio.create_task(pump(idx, g, w)) for (idx, _, _), g, w in zip(jobs, gens, wants_logprobs)]
+            tasks = [asyncio.create_task(pump(idx, g, w)) for (idx, *_), g, w in zip(jobs, gens, wants_logprobs)]
             finished, outs = 0, []
             try:
                 while finished < len(tasks):

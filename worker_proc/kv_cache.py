@@ -29,6 +29,11 @@ class KVPool:
             p, e, s = int(prefix_lens[i]), int(extend_lens[i]), int(token_starts[i])
             self.req_to_token[int(req_pool_indices[i]), p : p + e] = out_cache_loc[s : s + e].to(torch.int32)
 
+    def fork(self, forks: list[tuple[int, int, int]]) -> None:
+        """For each (src, dst, n): row dst's first n slots become row src's (shared KV)."""
+        for src, dst, n in forks:
+            self.req_to_token[dst, :n] = self.req_to_token[src, :n]
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

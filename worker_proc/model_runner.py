@@ -97,6 +97,8 @@ class ModelRunner:
         self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.out_cache_loc)
         self.attn.prepare(fb)
         self._record_tokens(fb, batch.prompt_lens)
+        if batch.forks:
+            self._apply_forks(batch.forks)
         raw = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
         if not batch.sampling:
             return [], []
@@ -104,6 +106,8 @@ class ModelRunner:
                                 self.eos_token_ids)
         logits = raw
         if not pb.is_noop:
+            # A forked request's entry reads its leader's row; their penalty state is the same
+            # at the fork (same prompt, no output yet).
             slots = fb.req_pool_indices[batch.sample_rows]
             logits = pb.apply(raw, self.output_counts.gather(slots) if pb.needs_counts else None,
                               self.prompt_tokens.gather(slots) if pb.needs_prompt_mask else None)
@@ -116,6 +120,17 @@ class ModelRunner:
         out = [TokenLogprobs(chosen[i], list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])))
                if p.logprobs else None for i, p in enumerate(batch.sampling)]
         return ids.tolist(), out
+
+    def _apply_forks(self, forks: list[tuple[int, int, int]]) -> None:
+        """Each dst shares src's prompt: its req_to_token prefix and prompt-token mask become src's
+        and its output counts start at zero. Runs after _record_tokens, so src's mask already holds
+        this step's last prompt chunk (and a reset of a slot starting over cannot touch dst, which
+        has no row in the batch)."""
+        self.pool.fork(forks)
+        src = [s for s, _, _ in forks]
+        dst = [d for _, d, _ in forks]
+        self.prompt_tokens.copy_rows(src, dst)
+        self.output_counts.reset(dst)
 
     def _record_tokens(self, fb: ForwardBatch, prompt_lens: list[int]) -> None:
         """Keep each slot's prompt-token mask and output-token counts current from the tokens it is

@@ -1,0 +1,89 @@
+"""TokenizerManager against a bare socket standing in for the scheduler: requests made in one
+event-loop turn (the n choices of a prompt) travel in one frame, and an abort never overtakes the
+request it aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import zmq
+
+from ipc.messages import AbortReq, GenerateReq, GenerateReqs, ToScheduler
+from ipc.sockets import Endpoints
+from tokenizer_proc.manager import TokenizerManager
+
+
+class FakeScheduler:
+    def __init__(self):
+        self.endpoints = Endpoints.create()
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(self.endpoints.scheduler_in)
+        self.decoder = msgspec.msgpack.Decoder(ToScheduler)
+
+    def receive(self, timeout_ms: int = 5000):
+        assert self.socket.poll(timeout_ms), "nothing reached the scheduler"
+        return self.decoder.decode(self.socket.recv())
+
+    def receive_all(self) -> list:
+        frames = []
+        while self.socket.poll(500):
+            frames.append(self.decoder.decode(self.socket.recv()))
+        return frames
+
+
+@pytest.fixture
+def scheduler():
+    s = FakeScheduler()
+    yield s
+    s.socket.close()
+    s.ctx.term()
+
+
+def manager_for(scheduler: FakeScheduler) -> TokenizerManager:
+    manager = TokenizerManager(scheduler.endpoints, tokenizer=[None] * 100, context_len=64)
+    manager.start()
+    return manager
+
+
+def test_requests_made_together_go_in_one_frame(scheduler):
+    async def main():
+        manager = manager_for(scheduler)
+        tasks = [asyncio.create_task(manager.generate_final(input_ids=[5, 6, 7], sampling={"max_new_tokens": 4},
+                                                            rid=f"c{k}", prefill_group="g")) for k in range(3)]
+        await asyncio.sleep(0.05)
+        frame = scheduler.receive()
+        assert isinstance(frame, GenerateReqs)
+        assert [(r.rid, r.prefill_group) for r in frame.reqs] == [("c0", "g"), ("c1", "g"), ("c2", "g")]
+        single = asyncio.create_task(manager.generate_final(input_ids=[5], sampling={"max_new_tokens": 4}, rid="s"))
+        await asyncio.sleep(0.05)
+        assert isinstance(scheduler.receive(), GenerateReq)
+        for t in [*tasks, single]:
+            t.cancel()  # the consumers leave: each request is aborted
+        await asyncio.gather(*tasks, single, return_exceptions=True)
+        assert sorted(scheduler.receive().rid for _ in range(4)) == ["c0", "c1", "c2", "s"]
+        await manager.close()
+
+    asyncio.run(main())
+
+
+def test_an_abort_does_not_overtake_the_request_it_aborts(scheduler):
+    async def main():
+        manager = manager_for(scheduler)
+        gen = manager.generate(input_ids=[5, 6], sampling={"max_new_tokens": 4}, rid="a", stream=True)
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the request is made (queued for this turn's frame), not yet sent
+        assert [r.rid for r in manager._unsent] == ["a"]
+        await manager.abort("a")  # e.g. the client went away at once
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await gen.aclose()
+        await asyncio.sleep(0.05)  # let the sends leave before the sockets close
+        await manager.close()
+
+    asyncio.run(main())
+    # the second abort: the consumer left
+    assert [type(f) for f in scheduler.receive_all()] == [GenerateReq, AbortReq, AbortReq]
