@@ -72,7 +72,7 @@ def test_completions_with_n_stop_and_length(client, model):
                                   seed=5)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert len({c.text for c in r.choices}) > 1
-    assert r.usage.prompt_tokens_details.cached_tokens == 2 * r.usage.prompt_tokens  # one prefill for 3
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # the one prefill of the 3 was computed
     echo = client.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Hello")
 
@@ -84,7 +84,8 @@ def test_n_choices_share_one_prefill(server, client, model):
     r = client.completions.create(n=3, **kw)
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [single.choices[0].text] * 3
     assert r.usage.prompt_tokens == single.usage.prompt_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens == 2 * r.usage.prompt_tokens
+    # usage counts the prompt once, computed once: nothing of it came from a cache
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chunks = list(client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8, n=3,
                                                  stream=True, stream_options={"include_usage": True}))
@@ -92,7 +93,7 @@ def test_n_choices_share_one_prefill(server, client, model):
              for k in range(3)]
     assert texts[0] == texts[1] == texts[2] and texts[0].startswith("The capital of France is")
     usage = chunks[-1].usage
-    assert usage.prompt_tokens_details.cached_tokens == 2 * usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     rate = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("loom_cache_hit_rate "))
     cached = next(float(line.split()[1]) for line in metrics.splitlines()

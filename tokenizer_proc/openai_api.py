@@ -151,7 +151,7 @@ class OpenAIServing:
                     "logprobs": self._completion_logprobs(_token_logprobs(out) if top is not None else None),
                     "finish_reason": _finish(out)} for idx, out in outs]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": self._usage(sum(map(len, encoded)), [o for _, o in outs])}
+                "choices": choices, "usage": self._usage(sum(map(len, encoded)), self._by_prompt(jobs, outs))}
 
     @staticmethod
     def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -208,7 +208,7 @@ class OpenAIServing:
                     "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None),
                     "finish_reason": _finish(out)} for idx, out in outs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": self._usage(len(ids), [o for _, o in outs])}
+                "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs))}
 
     # ---- logprobs -----------------------------------------------------------------------
 
@@ -258,13 +258,22 @@ class OpenAIServing:
         return list(await asyncio.gather(*(one(*job) for job in jobs)))
 
     @staticmethod
-    def _usage(prompt_tokens: int, outs: list[dict]) -> dict:
-        """Prompt tokens count once per prompt (not per choice), as OpenAI reports them; cached
-        tokens are those of every choice that shared its prompt's prefill instead of computing it."""
-        completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-        cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    def _usage(prompt_tokens: int, outs: list[tuple[object, dict]]) -> dict:
+        """Prompt tokens count once per prompt (not per choice), as OpenAI reports them, and so do
+        cached tokens: a prompt's are those its first computation took from a cache (the fewest
+        of its choices), never more than the prompt. `outs`: (prompt key, result) per choice."""
+        completion = sum(o["meta_info"]["completion_tokens"] for _, o in outs)
+        fewest: dict[object, int] = {}
+        for key, o in outs:
+            fewest[key] = min(fewest.get(key, o["meta_info"]["cached_tokens"]), o["meta_info"]["cached_tokens"])
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(fewest.values())}}
+
+    @staticmethod
+    def _by_prompt(jobs, outs: list[tuple[int, dict]]) -> list[tuple[object, dict]]:
+        group_of = {idx: group if group is not None else idx for idx, _, _, group in jobs}
+        return [(group_of[idx], o) for idx, o in outs]
 
     def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, make_choice, prefix=None, chat=False):
         """SSE chunks of every choice as they come, then a usage chunk if asked, then [DONE].
@@ -274,6 +283,7 @@ class OpenAIServing:
                 for _, ids, s, group in jobs]
 
         wants_logprobs = [bool(s.get("logprobs")) for _, _, s, _ in jobs]
+        group_of = {idx: group if group is not None else idx for idx, _, _, group in jobs}
 
         async def pump(idx, gen, wants):
             sent, sent_tokens = 0, 0
@@ -290,7 +300,7 @@ class OpenAIServing:
                     if delta or finish or lps:
                         await queue.put(make_choice(idx, {"content": delta} if chat else delta, finish, lps))
                     if finish:
-                        await queue.put(("usage", out))
+                        await queue.put(("usage", group_of[idx], out))
             finally:
                 await queue.put(("done", idx))
 
@@ -307,7 +317,7 @@ class OpenAIServing:
                         if item[0] == "done":
                             finished += 1
                         else:
-                            outs.append(item[1])
+                            outs.append(item[1:])
                         continue
                     yield chunk({"choices": [item]})
                 for t in tasks:
