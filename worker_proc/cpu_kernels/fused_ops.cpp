@@ -5,50 +5,108 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
+// float -> bfloat16 bits, round to nearest even (NaN stays NaN), in integer ops only so the
+// loops around it vectorise (c10::BFloat16's conversion branches).
+inline uint32_t bf16_bits(float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : rounded;
+}
+
+// v rounded to T and back: where the unfused torch code rounds an intermediate to the dtype.
 template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+inline float round_to(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return std::bit_cast<float>(bf16_bits(v));
+  }
+}
+
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void narrow(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint16_t>(bf16_bits(src[i]) >> 16);
+  }
+}
 
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), per row; with a residual: residual += x first
-// and the sum is what gets normalised.
+// and the sum is what gets normalised. Work is done in float32 row buffers so the loops vectorise.
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+  std::vector<float> wf(dim);
+  widen(weight, wf.data(), dim);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(dim);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * dim;
-      T* res = residual ? residual + r * dim : nullptr;
-      float ss = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
-        float v = static_cast<float>(xr[i]);
-        if (res) {
-          v = round_to<T>(v + static_cast<float>(res[i]));
-          res[i] = static_cast<T>(v);
-        }
-        h[i] = v;
-        ss += v * v;
+    std::vector<float> h(dim), r(dim);
+    for (int64_t row = begin; row < end; ++row) {
+      widen(x + row * dim, h.data(), dim);
+      if (residual) {
+        T* res = residual + row * dim;
+        widen(res, r.data(), dim);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) h[i] = round_to<T>(h[i] + r[i]);
+        narrow(h.data(), res, dim);
       }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) ss += h[i] * h[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-      T* o = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(h[i] * inv));
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) h[i] = wf[i] * round_to<T>(h[i] * inv);
+      narrow(h.data(), out + row * dim, dim);
     }
   });
+}
+
+// expf in a form the compiler vectorises (libm's expf is a call per element, and float
+// compares in the loop body stop the vectoriser): Cody-Waite range reduction and the Cephes
+// polynomial, within about 1 ulp; the exponent is clamped in integers (0 below, inf above).
+inline float vexp(float x) {
+  const float t = x * 1.44269504089f + 0.5f;
+  const int32_t ti = static_cast<int32_t>(t);
+  const int32_t ni = ti - (static_cast<float>(ti) > t);  // floor(t)
+  const float n = static_cast<float>(ni);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t biased = std::min(std::max(ni + 127, 0), 255);
+  return p * std::bit_cast<float>(biased << 23);
 }
 
 // x [T, 2I] = [gate | up] -> T(T(silu(gate)) * up)  [T, I]
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
     for (int64_t r = begin; r < end; ++r) {
-      const T* g = x + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = static_cast<float>(g[i]);
-        o[i] = static_cast<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * static_cast<float>(u[i]));
-      }
+      widen(x + r * 2 * inter, g.data(), inter);
+      widen(x + r * 2 * inter + inter, u.data(), inter);
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = round_to<T>(round_to<T>(g[i] / (1.f + vexp(-g[i]))) * u[i]);
+      narrow(g.data(), out + r * inter, inter);
     }
   });
 }
