@@ -195,8 +195,9 @@ class SchedulerCore:
                     "abort", message="the KV cache is too small to continue this request")))
             else:
                 self._retract(self._retraction_victim())
-        for req in decoding:
-            self._extend(batch, req, 1)
+        slots = self.token_pool.alloc(len(decoding))  # one allocation for every decode
+        for i, req in enumerate(decoding):
+            self._extend(batch, req, 1, slots[i : i + 1])
         return ended
 
     def _schedule_prefills(self, batch: ScheduleBatch, input_budget: int) -> None:
@@ -252,11 +253,14 @@ class SchedulerCore:
                     "abort", message=f"ran more than {cfg.running_timeout:g} s")))
         return ended
 
-    def _extend(self, batch: ScheduleBatch, req: Req, n: int) -> None:
-        slots = self.token_pool.alloc(n)
-        assert slots is not None, "caller checked the pool"
-        batch.rows.append(BatchRow(req, req.num_computed, n, slots))
-        req.kv_slots = np.concatenate([req.kv_slots, slots]) if len(req.kv_slots) else slots
+    def _extend(self, batch: ScheduleBatch, req: Req, n: int, slots: np.ndarray | None = None) -> None:
+        """Add `n` tokens of `req` to the batch, on `slots` or freshly allocated ones."""
+        if slots is None:
+            slots = self.token_pool.alloc(n)
+            assert slots is not None, "caller checked the pool"
+        prefix = req.num_computed
+        batch.rows.append(BatchRow(req, prefix, n, slots, samples=prefix + n == req.num_fill))
+        req.append_kv(slots)
         if req.prefill_group is not None and not req.output_ids and req.num_computed == len(req.input_ids):
             self._fork_followers(batch, req)
 
@@ -278,7 +282,8 @@ class SchedulerCore:
                 self._lead_group(followers[i:])
                 return
             self.token_pool.share(leader.kv_slots)
-            f.kv_slots = leader.kv_slots.copy()
+            f.clear_kv()
+            f.append_kv(leader.kv_slots)
             f.req_pool_idx = idx
             f.state = ReqState.RUNNING
             if f.started is None:
@@ -287,7 +292,8 @@ class SchedulerCore:
             self.num_prompt_tokens += prompt_len
             self.num_cached_prompt_tokens += prompt_len
             self.running.append(f)
-            batch.rows.append(BatchRow(f, prompt_len, 0, np.empty(0, dtype=np.int32), logits_of=leader_row))
+            batch.rows.append(BatchRow(f, prompt_len, 0, np.empty(0, dtype=np.int32), samples=True,
+                                       logits_of=leader_row))
             batch.forks.append((leader.req_pool_idx, idx, prompt_len))
 
     def _lead_group(self, followers: list[Req]) -> None:
@@ -369,7 +375,7 @@ class SchedulerCore:
 
     def _release(self, req: Req) -> None:
         self.token_pool.free(req.kv_slots)
-        req.kv_slots = np.empty(0, dtype=np.int32)
+        req.clear_kv()
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx = -1
         self.running.remove(req)

@@ -28,8 +28,10 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     finish: FinishReason | None = None
-    # KV held: the slot of every computed token, in order; the length is the computed length.
-    kv_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    # KV held: the slot of every computed token, in order (kv_slots); the buffer grows by
+    # doubling so a decode step appends in O(1).
+    kv_buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    num_computed: int = 0
     req_pool_idx: int = -1
     retractions: int = 0
     sent_ids: int = 0  # output ids already handed to the detokenizer
@@ -50,8 +52,21 @@ class Req:
         return self.input_ids[start:] + self.output_ids[: end - n_in]
 
     @property
-    def num_computed(self) -> int:
-        return len(self.kv_slots)
+    def kv_slots(self) -> np.ndarray:
+        return self.kv_buffer[: self.num_computed]
+
+    def append_kv(self, slots: np.ndarray) -> None:
+        end = self.num_computed + len(slots)
+        if end > len(self.kv_buffer):
+            grown = np.empty(max(end, 2 * len(self.kv_buffer), 16), dtype=np.int32)
+            grown[: self.num_computed] = self.kv_buffer[: self.num_computed]
+            self.kv_buffer = grown
+        self.kv_buffer[self.num_computed : end] = slots
+        self.num_computed = end
+
+    def clear_kv(self) -> None:
+        self.kv_buffer = np.empty(0, dtype=np.int32)
+        self.num_computed = 0
 
     @property
     def num_fill(self) -> int:

@@ -16,14 +16,10 @@ class BatchRow:
     prefix_len: int  # tokens already in the KV cache
     extend_len: int  # tokens this step computes
     new_slots: np.ndarray  # KV slots for those tokens
+    samples: bool  # the step reaches the end of prompt + output: its last position is sampled
     # A forked request computes nothing (extend_len 0): it samples from the logits of the row
     # at this index in ScheduleBatch.rows, its leader's last prompt chunk.
     logits_of: int | None = None
-
-    @property
-    def samples(self) -> bool:
-        """The step reaches the end of prompt + output, so its last position is sampled."""
-        return self.prefix_len + self.extend_len == self.req.num_fill
 
 
 @dataclass(slots=True)
