@@ -69,6 +69,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None,
                    help="result file (default: benchmarks/results/bench_one_batch_<timestamp>.json)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    p.add_argument("--hf-baseline", action="store_true",
+                   help="also time HF transformers `generate` at batch 1 on the same prompt and lengths, at "
+                        "its best dtype on this CPU (--hf-dtype), for the batch-1 ratio")
+    p.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="HF baseline dtype; auto times both like loom's probe (default: %(default)s)")
     args = p.parse_args(argv)
     try:
         args.batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
@@ -249,6 +254,30 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 # ---- main ---------------------------------------------------------------------------------------
 
+def hf_batch1_decode(model_dir: Path, tokenizer: Any, input_len: int, output_len: int, seed: int,
+                     dtype: torch.dtype) -> dict[str, Any]:
+    """HF `generate` on one request (greedy, EOS ignored): decode tok/s, the prefill timed apart
+    (a one-token generate) and taken out, as loom's figure."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    ids = torch.tensor([fixed_length_requests(tokenizer, [input_len], [output_len], seed)[0].input_ids])
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        gc = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id or 0)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, generation_config=gc)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    prefill, full = run(1), run(output_len)
+    return {"dtype": str(dtype).removeprefix("torch."), "decode_tok_s": (output_len - 1) / (full - prefill),
+            "wall_s": full}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from tqdm import tqdm
@@ -264,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model_dir = Path(args.model_path) if args.model_path else ensure_default_model()
 
     runner = load_runner(args, dtype, model_dir)
+    backend, kv_slots = runner_backend(runner), runner.num_slots
     weights = WeightStats.of(runner.model, runner.config)
     gemv_rate, gemm_rate = gemv_gbs(machine, dtype_name), gemm_gflops(machine, dtype_name)
     batch1_limit = gemv_rate * 1e9 / weights.bytes if gemv_rate else None
@@ -300,6 +330,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if rows[0]["batch_size"] == 1 and batch1_limit and rows[0]["decode_tok_s"]:
         print(f"batch 1: {rows[0]['decode_tok_s']:.1f} decode tok/s = "
               f"{100 * rows[0]['decode_tok_s'] / batch1_limit:.0f}% of the bandwidth limit {batch1_limit:.1f} tok/s")
+    hf = None
+    if args.hf_baseline:
+        del runner  # free the memory and threads before the baseline
+        hf_dtype, hf_reason = resolve_dtype(args.hf_dtype)
+        hf = hf_batch1_decode(model_dir, tokenizer, args.input_len, args.output_len, args.seed, hf_dtype)
+        hf["dtype_reason"] = hf_reason
+        loom_b1 = next((r["decode_tok_s"] for r in rows if r["batch_size"] == 1), None)
+        ratio = f" -> loom / HF = {loom_b1 / hf['decode_tok_s']:.2f}x" if loom_b1 else ""
+        print(f"HF generate batch 1 ({hf['dtype']}): {hf['decode_tok_s']:.1f} decode tok/s{ratio}")
     multi_step = [r["batch_size"] for r in rows if r["prefill_steps"] != 1]
     if multi_step:
         print(f"NOTE: the prefill took more than one step at batch sizes {multi_step}", file=sys.stderr)
@@ -310,14 +349,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine,
         "model": {"dir": str(model_dir), "dtype": dtype_name, "dtype_reason": dtype_reason,
-                  "kernel_backend": runner_backend(runner), "quantization": args.quantization,
-                  "kv_slots": runner.num_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
+                  "kernel_backend": backend, "quantization": args.quantization,
+                  "kv_slots": kv_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
                   "flops_per_token": weights.flops_per_token},
         "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,
                       "batch1_bandwidth_limit_tok_s": batch1_limit,
                       "note": "bandwidth roof = batch x GEMV rate / weight bytes (KV reads ignored); GEMM roof = "
                               "GEMM rate / (2 x weight parameters) (attention FLOPs ignored)"},
         "results": rows,
+        "hf_batch1": hf,
     }
     path = write_json(args.json or default_result_path("bench_one_batch"), result)
     print(f"results: {path}")

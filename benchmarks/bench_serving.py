@@ -57,7 +57,7 @@ import random
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "then --model)")
     s.add_argument("--extra-request-body", default=None, metavar="JSON",
                    help="JSON object merged into every request body (sampling_params for loom)")
+    s.add_argument("--prompt-as-text", action="store_true",
+                   help="openai: send each prompt as its decoded text, for servers that take no token ids "
+                        "(e.g. llama-cpp-python's); the server's count of prompt tokens may then differ a little")
     d = p.add_argument_group("workload")
     d.add_argument("--dataset", default="random", choices=["random", "sharegpt", "head-of-line"],
                    help="(default: %(default)s)")
@@ -356,7 +359,7 @@ async def request_loom(session: aiohttp.ClientSession, url: str, req: Request, e
 
 async def request_openai(session: aiohttp.ClientSession, url: str, req: Request, extra: dict[str, Any],
                          result: RequestResult, model: str | None) -> None:
-    body: dict[str, Any] = {"prompt": req.input_ids, "max_tokens": req.output_len, "temperature": 0.0,
+    body: dict[str, Any] = {"prompt": req.text if req.text is not None else req.input_ids, "max_tokens": req.output_len, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
                             **({"model": model} if model else {}), **extra}
     sent = time.perf_counter()
@@ -465,7 +468,7 @@ async def warm_up(call: RequestFn, requests: list[Request], count: int) -> None:
     async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
         for i in range(count):
             req = requests[i % len(requests)]
-            req = Request(req.input_ids, min(req.output_len, 8))
+            req = replace(req, output_len=min(req.output_len, 8))
             result = RequestResult(req.input_len, req.output_len)
             await call(session, req, result)
             if not result.success:
@@ -618,6 +621,8 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
     ])), flush=True)
 
     requests = build_requests(args, tokenizer, context_len)
+    if args.prompt_as_text:
+        requests = [replace(r, text=tokenizer.decode(r.input_ids)) for r in requests]
     if not requests:
         raise SystemExit("no requests to send")
     if context_len:

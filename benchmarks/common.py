@@ -63,6 +63,7 @@ def format_cpu_header(info: dict[str, Any]) -> list[str]:
 class Request:
     input_ids: list[int]
     output_len: int
+    text: str | None = None  # the prompt as text, for servers that take no token ids
 
     @property
     def input_len(self) -> int:

@@ -1,0 +1,148 @@
+"""Serving at saturation, side by side in one run, on one seeded workload:
+
+  1. loom's Engine offline (no HTTP), at --concurrency running requests;
+  2. loom's HTTP server (`/v1/completions`, streaming), --concurrency streams in flight;
+  3. llama.cpp's server (`python -m llama_cpp.server`, the GGUF of the embedded model), the same
+     client load — when llama-cpp-python is installed (optional).
+
+Each side runs alone (the previous one is shut down first). Prints output tok/s of each and the
+ratios loom HTTP / loom offline and loom HTTP / llama.cpp server.
+
+    python benchmarks/bench_serving_compare.py                      # 64 requests, 32 streams
+    python benchmarks/bench_serving_compare.py --num-prompts 128 --no-llamacpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, add_repo_to_path, default_result_path, format_table, write_json  # noqa: E402
+
+add_repo_to_path()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout_s: float = 900) -> None:
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{what} did not become healthy in {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def client_args(args, port: int, label: str, model: str | None = None) -> list[str]:
+    out = ["--backend", "openai", "--port", str(port), "--num-prompts", str(args.num_prompts),
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--random-range-ratio", str(args.range_ratio), "--max-concurrency", str(args.concurrency),
+           "--seed", str(args.seed), "--tokenizer", str(args.model_dir), "--no-probe", "--no-output-file",
+           "--disable-tqdm", "--label", label]
+    return out + (["--model", model] if model else [])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256, help="longest prompt (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=128, help="longest output (default: %(default)s)")
+    p.add_argument("--range-ratio", type=float, default=0.5, help="shortest = ratio x longest (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--port", type=int, default=30700)
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp server side")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    from benchmarks import bench_serving
+    from benchmarks.bench_offline import embedded_gguf, llama_cpp_installed, run_loom
+    from benchmarks.probes import header_lines, probe_machine
+    from worker_proc.model_loader import ensure_default_model
+
+    args.model_dir = ensure_default_model()
+    machine = probe_machine()
+    print("\n".join(header_lines(machine, {"loom": f"{args.dtype}, quantization {args.quantization}"}, [])))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
+    requests = bench_serving.build_requests(bench_serving.parse_args(client_args(args, 0, "")), tokenizer, None)
+    print(f"workload: {len(requests)} requests, {sum(r.input_len for r in requests)} input + "
+          f"{sum(r.output_len for r in requests)} output tokens, {args.concurrency} in flight", flush=True)
+    results: dict = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()}}
+
+    from launch import Engine
+
+    with Engine(dtype=args.dtype, quantization=args.quantization, max_running_requests=args.concurrency,
+                log_level="warning") as engine:
+        results["loom_offline"] = run_loom(engine, requests)
+
+    server = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(args.port), "--zmq-port", "0",
+                               "--dtype", args.dtype, "--quantization", args.quantization, "--max-running-requests",
+                               str(args.concurrency), "--log-level", "warning"], cwd=str(ROOT))
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{args.port}/health", "loom server")
+        results["loom_http"] = bench_serving.run_benchmark(bench_serving.parse_args(
+            client_args(args, args.port, "loom http")))
+    finally:
+        stop(server)
+
+    if not args.no_llamacpp and llama_cpp_installed():
+        port = args.port + 1
+        server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(embedded_gguf()),
+                                   "--n_threads", str(machine["cpu"]["cores"]), "--n_ctx", "4096",
+                                   "--port", str(port), "--model_alias", "smollm2",
+                                   # by default a new request cuts the one being generated short
+                                   "--interrupt_requests", "False"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(server, f"http://127.0.0.1:{port}/v1/models", "llama.cpp server")
+            # llama-cpp-python's server takes prompts as text only and has no ignore_eos: the
+            # end-of-text tokens get a -100 bias instead.
+            eos = {str(t): -100 for t in {tokenizer.eos_token_id, tokenizer.pad_token_id} if t is not None}
+            results["llamacpp_http"] = bench_serving.run_benchmark(bench_serving.parse_args(
+                client_args(args, port, "llama.cpp server", model="smollm2")
+                + ["--prompt-as-text", "--extra-request-body", json.dumps({"logit_bias": eos})]))
+        finally:
+            stop(server)
+
+    offline = results["loom_offline"]["output_tok_s"]
+    http = results["loom_http"]["output_throughput"]
+    rows = [["loom offline (Engine)", f"{offline:.1f}", ""], ["loom HTTP", f"{http:.1f}", f"{http / offline:.2f}x offline"]]
+    results["ratios"] = {"loom_http_over_offline": http / offline}
+    if "llamacpp_http" in results:
+        lc = results["llamacpp_http"]["output_throughput"]
+        rows.append(["llama.cpp server", f"{lc:.1f}", f"loom HTTP = {http / lc:.2f}x"])
+        results["ratios"]["loom_http_over_llamacpp_http"] = http / lc
+    print(format_table(["side", "output tok/s", "ratio"], rows))
+    path = write_json(args.json or default_result_path("bench_serving_compare"), results)
+    print(f"results: {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
