@@ -118,8 +118,6 @@ class WeightStats:
 
 
 def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -> Any:
-    from dataclasses import fields
-
     from worker_proc.kv_cache import KVPool
     from worker_proc.model_config import ModelConfig
     from worker_proc.model_runner import ModelRunner, RunnerConfig
@@ -130,19 +128,8 @@ def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -
         per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
         tokens = max(args.batch_sizes) * (args.input_len + args.output_len)
         kv_gb = (tokens * 1.25 + 4096) * per_token / 2**30
-    # Pass the kernel / quantization options only to a RunnerConfig that has them, and refuse
-    # to measure something else than asked for.
-    options = {"kernel_backend": args.kernel_backend, "quantization": args.quantization}
-    known = {f.name for f in fields(RunnerConfig)}
-    asked = {k: v for k, v in options.items() if v not in ("auto", "none")}
-    if missing := sorted(set(asked) - known):
-        raise SystemExit(f"this loom's RunnerConfig has no {', '.join(missing)}")
     return ModelRunner(RunnerConfig(str(model_dir), dtype, kv_gb, max(args.batch_sizes),
-                                    **{k: v for k, v in options.items() if k in known}))
-
-
-def runner_backend(runner: Any) -> str:
-    return str(getattr(runner, "kernel_backend", None) or getattr(runner, "attention_backend", "?"))
+                                    kernel_backend=args.kernel_backend, quantization=args.quantization))
 
 
 # ---- one batch ----------------------------------------------------------------------------------
@@ -293,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model_dir = Path(args.model_path) if args.model_path else ensure_default_model()
 
     runner = load_runner(args, dtype, model_dir)
-    backend, kv_slots = runner_backend(runner), runner.num_slots
+    backend, kv_slots = runner.kernel_backend, runner.num_slots
     weights = WeightStats.of(runner.model, runner.config)
     gemv_rate, gemm_rate = gemv_gbs(machine, dtype_name), gemm_gflops(machine, dtype_name)
     batch1_limit = gemv_rate * 1e9 / weights.bytes if gemv_rate else None
@@ -302,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"weights    {weights.matmul_params / 1e6:.1f} M matmul parameters, {weights.bytes / 2**20:.1f} MiB "
         f"streamed per step ({dtype_name}, quantization {args.quantization}), "
         f"{weights.flops_per_token / 1e6:.0f} MFLOP per token",
-        f"runner     kernels {runner_backend(runner)}; KV pool {runner.num_slots} tokens",
+        f"runner     kernels {runner.kernel_backend}; KV pool {runner.num_slots} tokens",
         "roof bw    " + (f"batch 1: {weights.bytes / 2**20:.1f} MiB / {gemv_rate:.1f} GB/s -> "
                          f"{batch1_limit:.1f} tok/s" if batch1_limit else "n/a (no probe)"),
         "roof GEMM  " + (f"{gemm_rate:.1f} GFLOP/s / {weights.flops_per_token / 1e6:.0f} MFLOP -> "
