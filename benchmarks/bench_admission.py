@@ -16,7 +16,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_serving import parse_args, run_benchmark  # noqa: E402
-from benchmarks.common import default_result_path, format_table  # noqa: E402
+from benchmarks.common import default_result_path, format_table, wait_healthy  # noqa: E402
 from benchmarks.probes import PROBE_DTYPES, header_lines, probe_machine  # noqa: E402
 
 CONFIGS = {
@@ -38,19 +37,8 @@ def start_server(port: int, extra: list[str], args) -> subprocess.Popen:
            "--dtype", args.dtype, "--max-prefill-tokens", str(args.budget), "--chunked-prefill-size",
            str(args.budget), *args.server_args.split(), *extra]
     proc = subprocess.Popen(cmd, cwd=str(ROOT))
-    import httpx
-
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("server not healthy")
+    wait_healthy(proc, f"http://127.0.0.1:{port}/health", f"server ({' '.join(cmd)})", timeout_s=600)
+    return proc
 
 
 def ttft_row(name: str, result: dict, base: dict | None) -> list[str]:

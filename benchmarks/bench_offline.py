@@ -149,6 +149,12 @@ def _progress_ticker(engine: Any, total: int, start: float, stop: threading.Even
         print(f"  loom: {time.perf_counter() - start:6.1f} s  {detail}", flush=True)
 
 
+def throughput(wall: float, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """The figures every side reports: tokens and tokens per second over the wall time."""
+    return {"wall_s": wall, "input_tokens": input_tokens, "output_tokens": output_tokens,
+            "output_tok_s": output_tokens / wall, "total_tok_s": (input_tokens + output_tokens) / wall}
+
+
 def run_loom(engine: Any, requests: list[Request]) -> dict[str, Any]:
     params = [{"max_new_tokens": r.output_len, "ignore_eos": True, "temperature": 0.0} for r in requests]
     warm = [[100 + i for i in range(8)], [200 + i for i in range(12)]]
@@ -177,11 +183,7 @@ def run_loom(engine: Any, requests: list[Request]) -> dict[str, Any]:
     out_tokens = sum(m["completion_tokens"] for m in meta)
     in_tokens = sum(m["prompt_tokens"] for m in meta)
     return {
-        "wall_s": wall,
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "output_tok_s": out_tokens / wall,
-        "total_tok_s": (in_tokens + out_tokens) / wall,
+        **throughput(wall, in_tokens, out_tokens),
         "e2e_latency_s": summarize(m["e2e_latency"] for m in meta),
         "ttft_s": summarize(m["ttft"] for m in meta),
         "finish_reasons": sorted({(m["finish_reason"] or {}).get("type", "?") for m in meta}),
@@ -229,12 +231,8 @@ def run_hf(model_dir: Path, tokenizer: Any, requests: list[Request], dtype: torc
     useful = sum(r.output_len for r in requests)
     in_tokens = sum(r.input_len for r in requests)
     return {
-        "wall_s": wall,
-        "input_tokens": in_tokens,
-        "output_tokens": useful,
+        **throughput(wall, in_tokens, useful),
         "computed_output_tokens": computed,
-        "output_tok_s": useful / wall,
-        "total_tok_s": (in_tokens + useful) / wall,
         "computed_output_tok_s": computed / wall,
         "batch_size": batch_size,
         "num_batches": len(batches),
@@ -301,11 +299,7 @@ def run_hf_cb(model_dir: Path, requests: list[Request], dtype: torch.dtype, kv_c
     useful = sum(min(n, r.output_len) for n, r in zip(got, requests))
     in_tokens = sum(r.input_len for r in requests)
     return {
-        "wall_s": wall,
-        "input_tokens": in_tokens,
-        "output_tokens": useful,
-        "output_tok_s": useful / wall,
-        "total_tok_s": (in_tokens + useful) / wall,
+        **throughput(wall, in_tokens, useful),
         "length_mismatches": len(short),
         "errors": len(errors),
         "config": {"page_size": cb_config.page_size, "num_blocks": cb_config.num_blocks,
@@ -374,11 +368,7 @@ def run_llamacpp(gguf: Path, requests: list[Request], threads: int) -> dict[str,
     out_tokens = sum(got)
     in_tokens = sum(r.input_len for r in requests)
     return {
-        "wall_s": wall,
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "output_tok_s": out_tokens / wall,
-        "total_tok_s": (in_tokens + out_tokens) / wall,
+        **throughput(wall, in_tokens, out_tokens),
         "e2e_latency_s": summarize(e2es),
         "ttft_s": summarize(ttfts),
         "length_mismatches": len(short),

@@ -18,32 +18,15 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, add_repo_to_path, default_result_path, format_table, write_json  # noqa: E402
+from benchmarks.common import (ROOT, add_repo_to_path, default_result_path, format_table, wait_healthy,
+                               write_json)  # noqa: E402
 
 add_repo_to_path()
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout_s: float = 900) -> None:
-    import httpx
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{what} did not become healthy in {timeout_s:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:

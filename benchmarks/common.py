@@ -57,6 +57,25 @@ def format_cpu_header(info: dict[str, Any]) -> list[str]:
     return [f"CPU        {info['model_name']} ({info['cores']} cores)", f"flags      {flags}"]
 
 
+def wait_healthy(proc: Any, url: str, what: str, timeout_s: float = 900) -> None:
+    """Wait until GET `url` answers 200 from the server process `proc` (a subprocess.Popen);
+    kill it and raise if it exits or stays unhealthy."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{what} did not become healthy in {timeout_s:.0f} s")
+
+
 # ---- requests ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
