@@ -1,4 +1,4 @@
-"""loom's compiled CPU kernels against their torch references: paged decode attention (gather +
+"""loom's compiled CPU kernels against their torch references: paged attention (gather +
 SDPA), the fused element-wise ops (`Ops` without kernels) and the small-M linears (dense, int8,
 int4 against their dequantized weights)."""
 
@@ -21,21 +21,28 @@ def kernel():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 16)])
-def test_paged_decode_matches_reference(kernel, dtype, tol, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (4, 2, 128), (6, 2, 24)])
+def test_paged_attention_matches_reference(kernel, dtype, tol, heads, kv_heads, head_dim):
+    """Rows of one token (decodes), whole prompts and chunks over a cached prefix, in one call."""
     torch.manual_seed(0)
-    slots, reqs, ctx, batch = 4000, 12, 300, 7
+    slots, reqs, ctx = 4000, 12, 300
     kv = torch.randn(slots, 2, kv_heads, head_dim, dtype=dtype)
     req_to_token = torch.randint(1, slots, (reqs, ctx), dtype=torch.int32)
-    req_idx = torch.randperm(reqs)[:batch]
-    seq_lens = torch.randint(1, ctx + 1, (batch,))
-    q = torch.randn(batch, heads, head_dim, dtype=dtype)
-    out = kernel.paged_decode_attention(q, kv, req_to_token, req_idx, seq_lens, head_dim**-0.5)
-    for b in range(batch):
-        rows = kv[req_to_token[req_idx[b], : seq_lens[b]].long()].float()
-        ref = F.scaled_dot_product_attention(q[b : b + 1, :, None].float(), rows[:, 0].transpose(0, 1)[None],
-                                             rows[:, 1].transpose(0, 1)[None], enable_gqa=True)[0, :, 0]
-        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+    req_idx = torch.randperm(reqs)[:8]
+    extend_lens = torch.tensor([1, 37, 1, 300, 1, 6, 17, 1])
+    prefix_lens = torch.tensor([299, 0, 0, 0, 130, 250, 40, 16])
+    seq_lens = prefix_lens + extend_lens
+    token_starts = torch.cumsum(extend_lens, 0) - extend_lens
+    q = torch.randn(int(extend_lens.sum()), heads, head_dim, dtype=dtype)
+    out = kernel.paged_attention(q, kv, req_to_token, req_idx, token_starts, extend_lens, seq_lens, head_dim**-0.5)
+    for r in range(len(req_idx)):
+        rows = kv[req_to_token[req_idx[r], : seq_lens[r]].long()].float()
+        start, n, prefix = int(token_starts[r]), int(extend_lens[r]), int(prefix_lens[r])
+        visible = torch.arange(prefix + n)[None, :] <= (prefix + torch.arange(n))[:, None]
+        ref = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1)[None].float(),
+                                             rows[:, 0].transpose(0, 1)[None], rows[:, 1].transpose(0, 1)[None],
+                                             attn_mask=visible, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[start : start + n].float(), ref, atol=tol, rtol=tol)
 
 
 # ---- fused element-wise ops --------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Attention over the paged KV pool for a packed batch that mixes prefills and decodes.
 
-`TorchAttention` is the CPU backend: decodes (one new token per request) attend in one
-batched SDPA call over K/V gathered through req_to_token and padded to the longest row;
-multi-token rows (prompts, chunks) attend one request at a time with a causal mask.
+`PagedKernelAttention` runs loom's compiled kernel (worker_proc/cpu_kernels): every row of the
+step in one call, reading K/V in place from the pool. `TorchAttention` is the pure-torch
+backend: decodes (one new token per request) attend in one batched SDPA call over K/V gathered
+through req_to_token and padded to the longest row; multi-token rows (prompts, chunks) attend
+one request at a time with a causal mask.
 """
 
 from __future__ import annotations
@@ -24,11 +26,32 @@ class AttentionBackend(Protocol):
         ...
 
 
-class TorchAttention:
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, decode_kernel=None):
+def store_kv(pool: KVPool, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes this step's K and V rows to their slots ([S, 2, KVH, Dh]: K then V per slot)."""
+    kv = pool.kv[layer_id]
+    kv.view(kv.shape[0], -1).index_copy_(0, out_cache_loc, torch.cat((k, v), dim=1).view(len(k), -1))
+
+
+class PagedKernelAttention:
+    def __init__(self, pool: KVPool, head_dim: int, kernels):
         self.pool = pool
-        # Optional compiled kernel (worker_proc/cpu_kernels) that reads the paged pool in place.
-        self.decode_kernel = decode_kernel
+        self.kernels = kernels
+        self.scale = head_dim**-0.5
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self.out_cache_loc = batch.out_cache_loc
+        self.rows = tuple(torch.from_numpy(a) for a in (
+            batch.req_pool_indices, batch.token_starts, batch.extend_lens, batch.prefix_lens + batch.extend_lens))
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store_kv(self.pool, layer_id, self.out_cache_loc, k, v)
+        return self.kernels.paged_attention(q.contiguous(), self.pool.kv[layer_id], self.pool.req_to_token,
+                                            *self.rows, self.scale)
+
+
+class TorchAttention:
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int):
+        self.pool = pool
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self.batch: ForwardBatch | None = None
@@ -39,7 +62,7 @@ class TorchAttention:
         self.decode_slots = None
         self.decode_mask = None
         self.extend_slots: list[torch.Tensor | None] = []
-        if len(batch.decode_tokens) and self.decode_kernel is None:
+        if len(batch.decode_tokens):
             max_len = int(batch.decode_seq_lens.max())
             self.decode_slots = self.pool.req_to_token[batch.decode_reqs, :max_len].long().view(-1)
             self.decode_shape = (len(batch.decode_tokens), max_len)
@@ -72,22 +95,15 @@ class TorchAttention:
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
+        store_kv(self.pool, layer_id, b.out_cache_loc, k, v)
         kv = self.pool.kv[layer_id]
         kv_rows = kv.view(self.row_view_shape)
-        kv_rows.index_copy_(0, b.out_cache_loc, torch.cat((k, v), dim=1).view(len(k), -1))
         n = len(b.decode_tokens)
-        if self.decode_kernel is not None and not b.extends:  # a decode-only step: no scatter
-            return self.decode_kernel.paged_decode_attention(
-                q.contiguous(), kv, self.pool.req_to_token, b.decode_reqs, b.decode_seq_lens, self.scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if n:
             q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]
-            if self.decode_kernel is not None:
-                o = self.decode_kernel.paged_decode_attention(
-                    q_d.contiguous(), kv, self.pool.req_to_token, b.decode_reqs, b.decode_seq_lens, self.scale)
-            else:
-                gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:])
-                o = self._decode_attention(q_d, gathered)  # gathered: [D, L, 2, KVH, Dh]
+            gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:])
+            o = self._decode_attention(q_d, gathered)  # gathered: [D, L, 2, KVH, Dh]
             if b.decode_is_prefix:
                 out[:n] = o
             else:

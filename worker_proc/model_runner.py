@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ipc.messages import ModelWorkerBatch, TokenLogprobs
-from worker_proc.attention import TorchAttention
+from worker_proc.attention import PagedKernelAttention, TorchAttention
 from worker_proc.forward_batch import ForwardBatch
 from worker_proc.kv_cache import KVPool
 from worker_proc.linear import quantize_linears
@@ -80,7 +80,10 @@ class ModelRunner:
         self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb)
         self.pool = KVPool(self.config.num_layers, self.num_slots, self.config.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)
-        self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim, decode_kernel=kernels)
+        if kernels is not None:
+            self.attn = PagedKernelAttention(self.pool, self.config.head_dim, kernels)
+        else:
+            self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim)
         self.eos_token_ids = tuple(rc.eos_token_ids) or self.config.eos_token_ids
         # Per request slot: output token counts and prompt tokens, for the penalties.
         self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)

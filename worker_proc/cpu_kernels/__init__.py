@@ -12,6 +12,7 @@ from pathlib import Path
 log = logging.getLogger("loom.kernels")
 _SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "paged_attention.cpp", "small_m_linear.cpp",
                                                     "fused_ops.cpp")]
+_HEADERS = [Path(__file__).with_name("vec_math.h")]
 _module = None
 _failed = False
 
@@ -22,7 +23,7 @@ def _cpu_tag() -> str:
         flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     return hashlib.sha1(flags.encode() + src).hexdigest()[:12]
 
 

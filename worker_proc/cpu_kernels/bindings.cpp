@@ -1,8 +1,9 @@
 // Python bindings of loom's CPU kernels (one module; each kernel lives in its own file).
 #include <torch/extension.h>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token,
-                                     torch::Tensor req_idx, torch::Tensor seq_lens, double scale);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
+                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
+                              double scale);
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
@@ -15,7 +16,7 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
            int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+  m.def("paged_attention", &paged_attention, "causal attention of a packed batch over the paged KV pool");
   m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights with per-row scales");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");

@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 // float -> bfloat16 bits, round to nearest even (NaN stays NaN), in integer ops only so the
@@ -76,26 +78,6 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
   });
 }
 
-// expf in a form the compiler vectorises (libm's expf is a call per element, and float
-// compares in the loop body stop the vectoriser): Cody-Waite range reduction and the Cephes
-// polynomial, within about 1 ulp; the exponent is clamped in integers (0 below, inf above).
-inline float vexp(float x) {
-  const float t = x * 1.44269504089f + 0.5f;
-  const int32_t ti = static_cast<int32_t>(t);
-  const int32_t ni = ti - (static_cast<float>(ti) > t);  // floor(t)
-  const float n = static_cast<float>(ni);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t biased = std::min(std::max(ni + 127, 0), 255);
-  return p * std::bit_cast<float>(biased << 23);
-}
-
 // x [T, 2I] = [gate | up] -> T(T(silu(gate)) * up)  [T, I]
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
@@ -105,7 +87,7 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
       widen(x + r * 2 * inter, g.data(), inter);
       widen(x + r * 2 * inter + inter, u.data(), inter);
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = round_to<T>(round_to<T>(g[i] / (1.f + vexp(-g[i]))) * u[i]);
+      for (int64_t i = 0; i < inter; ++i) g[i] = round_to<T>(round_to<T>(g[i] / (1.f + loom::vexp(-g[i]))) * u[i]);
       narrow(g.data(), out + r * inter, inter);
     }
   });

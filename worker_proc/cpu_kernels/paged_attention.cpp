@@ -1,89 +1,311 @@
-// Decode attention that reads K/V straight from the paged pool through req_to_token: no
-// gather copy, no padding. One task per (request, kv head); the query heads of a GQA group
-// share each K/V row read. Two passes per task: scores (then one softmax), then V.
+// Attention of a packed batch over the paged KV pool, read in place through req_to_token (no
+// gather copy, no padding). Each batch row is one request's newest tokens, already written to the
+// pool: a decode's one token or a prompt chunk's tokens; token i of a row of n tokens sees the
+// request's first seq_len - n + i + 1 cached tokens (causal), so decodes, first chunks and later
+// chunks (over a cached prefix) take the same path.
+//
+// One task per (row, kv head, tile of query tokens). A tile's rows are its tokens times the query
+// heads of the kv head (GQA), so every K/V row read from the pool serves all of them. Scores come
+// from 16-lane partial dot products that are transposed and summed 16 tokens at a time (no
+// horizontal sum per token), then a float32 softmax, then probabilities times V with the
+// accumulators in registers. The vectors are GCC vector types: AVX-512 or AVX2 code from one source.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
+
+#include "vec_math.h"
+
+#pragma GCC optimize("fp-contract=fast")  // a * b + c on vectors becomes one FMA
 
 namespace {
 
+using loom::vf;
+using loom::vi;
+constexpr int kLanes = 16;
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+inline vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf load16(const c10::BFloat16* p) {  // bf16 is the high half of a float
+#ifdef __AVX512F__
+  // one widening load (GCC splits the generic form into two 256-bit halves)
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<vf>(_mm512_slli_epi32(w, 16));
+#else
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+// out[i] = the sum of the lanes of v[i], for 16 vectors: three rounds of pairwise shuffles and
+// adds (about three operations per sum instead of a horizontal reduction per vector).
+inline vf transpose_sum(const vf* v) {
+  const vi lo_ps = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+  const vi hi_ps = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+  const vi lo_pd = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi hi_pd = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const vi even_blocks = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi odd_blocks = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  vf t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo_ps) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi_ps);
+  // each 4-lane block of u[j] holds that block's sums of v[4j .. 4j+3]
+  for (int j = 0; j < 4; ++j)
+    u[j] = __builtin_shuffle(t[2 * j], t[2 * j + 1], lo_pd) + __builtin_shuffle(t[2 * j], t[2 * j + 1], hi_pd);
+  for (int j = 0; j < 2; ++j)
+    w[j] = __builtin_shuffle(u[2 * j], u[2 * j + 1], even_blocks) +
+           __builtin_shuffle(u[2 * j], u[2 * j + 1], odd_blocks);
+  return __builtin_shuffle(w[0], w[1], even_blocks) + __builtin_shuffle(w[0], w[1], odd_blocks);
+}
+
+// Every cache line of one head's K or V row of a slot that is `ahead` tokens on.
+template <typename T, int64_t D>
+inline void prefetch_row(const T* p) {
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + off);
+}
+
+constexpr int kPrefetchTokens = 16;  // slots are scattered in the pool: fetch ahead of use
+constexpr int kMaxTileRows = 16;  // query-head rows per tile (accumulators and partial sums on the stack)
+constexpr int kValueRows = 4;     // rows whose V accumulators stay in registers together
+
+struct Task {
+  int64_t row, kv_head, first_token, num_tokens;  // tokens [first, first + num) of the batch row
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, kv_slot_stride, r2t_stride;
+  const int32_t* req_to_token;
+  const int64_t* req_idx;
+  const int64_t* token_starts;
+  const int64_t* extend_lens;
+  const int64_t* seq_lens;
+  float scale;
+};
+
+// Per-thread buffers, grown as needed.
+struct Scratch {
+  std::vector<float> scores;  // [tile rows, padded length]
+  std::vector<float> zeros;   // probabilities of the padding rows of the last value group
+};
+
+template <typename T, int NV>
+void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T* out, Scratch& scratch) {
+  constexpr int64_t D = NV * kLanes;
+  const int64_t G = p.group, H = p.num_heads;
+  const int64_t rows = task.num_tokens * G;
+  const int64_t n_row = p.extend_lens[task.row];
+  const int64_t first_pos = p.seq_lens[task.row] - n_row;  // position of the row's first token
+  const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
+  const int64_t tile_len = first_pos + task.first_token + task.num_tokens;  // seen by the last token
+  const int64_t padded = (tile_len + kLanes - 1) / kLanes * kLanes;
+  const int64_t k_off = task.kv_head * D, v_off = (p.num_kv_heads + task.kv_head) * D;
+  auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
+  auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
+
+  vf qs[kMaxTileRows][NV];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr = q + (token_of(r) * H + head_of(r)) * D;
+    for (int j = 0; j < NV; ++j) qs[r][j] = load16(qr + j * kLanes) * p.scale;
+  }
+  if (scratch.scores.size() < static_cast<size_t>(kMaxTileRows * padded)) scratch.scores.resize(kMaxTileRows * padded);
+  float* scores = scratch.scores.data();
+
+  // scores[r][t] = q_r . k_t, 16 tokens at a time
+  vf part[kMaxTileRows][kLanes];
+  for (int64_t t0 = 0; t0 < tile_len; t0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, tile_len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (t0 + i + kPrefetchTokens < tile_len)
+        prefetch_row<T, D>(kv + slots[t0 + i + kPrefetchTokens] * p.kv_slot_stride + k_off);
+      const T* k = kv + slots[t0 + i] * p.kv_slot_stride + k_off;
+      vf kr[NV];
+      for (int j = 0; j < NV; ++j) kr[j] = load16(k + j * kLanes);
+      for (int64_t r = 0; r < rows; ++r) {
+        vf acc = qs[r][0] * kr[0];
+        for (int j = 1; j < NV; ++j) acc = qs[r][j] * kr[j] + acc;
+        part[r][i] = acc;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = n; i < kLanes; ++i) part[r][i] = vf{};
+      const vf s = transpose_sum(part[r]);
+      std::memcpy(scores + r * padded + t0, &s, sizeof(s));
+    }
+  }
+
+  // softmax of each row over the tokens it sees; the rest of its (padded) row becomes 0
+  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * padded;
+    const int64_t len = first_pos + task.first_token + r / G + 1;
+    for (int64_t t = len; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
+    vf mv = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+      const vf x = load16(s + t0);
+      mv = x > mv ? x : mv;
+    }
+    float m = mv[0];
+    for (int i = 1; i < kLanes; ++i) m = std::max(m, mv[i]);
+    vf sum = {};
+    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+      vf x = load16(s + t0) - m;
+      x = x > -87.f ? x : splat(-87.f);  // exp underflows to 0 there; keeps vexp16 in range
+      vf e = loom::vexp16(x);
+      e = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? e : vf{};
+      sum += e;
+      std::memcpy(s + t0, &e, sizeof(e));
+    }
+    float total = 0.f;
+    for (int i = 0; i < kLanes; ++i) total += sum[i];
+    const float inv = 1.f / total;
+    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+      const vf x = load16(s + t0) * inv;
+      std::memcpy(s + t0, &x, sizeof(x));
+    }
+  }
+
+  // out_r = sum_t p[r][t] v_t, kValueRows rows per pass over V
+  if (scratch.zeros.size() < static_cast<size_t>(padded)) scratch.zeros.assign(padded, 0.f);
+  for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
+    const float* pr[kValueRows];
+    for (int i = 0; i < kValueRows; ++i) pr[i] = r0 + i < rows ? scores + (r0 + i) * padded : scratch.zeros.data();
+    vf acc[kValueRows][NV] = {};
+    for (int64_t t = 0; t < tile_len; ++t) {
+      if (t + kPrefetchTokens < tile_len) prefetch_row<T, D>(kv + slots[t + kPrefetchTokens] * p.kv_slot_stride + v_off);
+      const T* v = kv + slots[t] * p.kv_slot_stride + v_off;
+      vf vr[NV];
+      for (int j = 0; j < NV; ++j) vr[j] = load16(v + j * kLanes);
+      for (int i = 0; i < kValueRows; ++i) {
+        const vf w = splat(pr[i][t]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = w * vr[j] + acc[i][j];
+      }
+    }
+    for (int i = 0; i < kValueRows && r0 + i < rows; ++i) {
+      T* o = out + (token_of(r0 + i) * H + head_of(r0 + i)) * D;
+      alignas(64) float buf[D];
+      std::memcpy(buf, acc[i], sizeof(buf));
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(buf[d]);
+    }
+  }
+}
+
+// Any head size: the same math one query head at a time, with plain loops.
 template <typename T>
-void decode_kernel(const T* q, const T* kv, const int32_t* req_to_token, const int64_t* req_idx,
-                   const int64_t* seq_lens, T* out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t kv_slot_stride, int64_t r2t_stride, float scale) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t kv_width = num_kv_heads * head_dim;  // K of a slot, then V of the slot
-  constexpr int64_t kPrefetch = 8;                    // slots ahead: the pool is read in random order
-  at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores, row(kv_width);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = seq_lens[b];
-      const int32_t* slots = req_to_token + req_idx[b] * r2t_stride;
-      const T* qb = q + b * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
-      scores.assign(num_heads * len, 0.f);
+void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T* q, const T* kv, T* out,
+                         Scratch& scratch) {
+  const int64_t G = p.group, H = p.num_heads;
+  const int64_t first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
+  const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
+  std::vector<float> acc(D);
+  for (int64_t i = task.first_token; i < task.first_token + task.num_tokens; ++i) {
+    const int64_t len = first_pos + i + 1, token = p.token_starts[task.row] + i;
+    if (scratch.scores.size() < static_cast<size_t>(len)) scratch.scores.resize(len);
+    float* s = scratch.scores.data();
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t head = task.kv_head * G + g;
+      const T* qh = q + (token * H + head) * D;
+      float m = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetch < len) __builtin_prefetch(kv + static_cast<int64_t>(slots[t + kPrefetch]) * kv_slot_stride);
-        const T* k = kv + static_cast<int64_t>(slots[t]) * kv_slot_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < kv_width; ++i) row[i] = static_cast<float>(k[i]);
-        for (int64_t hq = 0; hq < num_heads; ++hq) {
-          const float* qh = qf.data() + hq * head_dim;
-          const float* kh = row.data() + (hq / group) * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kh[d];
-          scores[hq * len + t] = s;
-        }
+        const T* k = kv + slots[t] * p.kv_slot_stride + task.kv_head * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += static_cast<float>(qh[d]) * static_cast<float>(k[d]);
+        s[t] = dot * p.scale;
+        m = std::max(m, s[t]);
       }
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        float* sh = scores.data() + hq * len;
-        const float m = *std::max_element(sh, sh + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sh[t] = std::exp(sh[t] - m); sum += sh[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
-      }
+      float sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetch < len)
-          __builtin_prefetch(kv + static_cast<int64_t>(slots[t + kPrefetch]) * kv_slot_stride + kv_width);
-        const T* v = kv + static_cast<int64_t>(slots[t]) * kv_slot_stride + kv_width;
-#pragma omp simd
-        for (int64_t i = 0; i < kv_width; ++i) row[i] = static_cast<float>(v[i]);
-        for (int64_t hq = 0; hq < num_heads; ++hq) {
-          const float p = scores[hq * len + t];
-          const float* vh = row.data() + (hq / group) * head_dim;
-          float* a = acc.data() + hq * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
-        }
+        const T* v = kv + slots[t] * p.kv_slot_stride + (p.num_kv_heads + task.kv_head) * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * static_cast<float>(v[d]);
       }
-      T* ob = out + b * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = static_cast<T>(acc[i]);
+      T* o = out + (token * H + head) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] / sum);
     }
-  });
+  }
+}
+
+template <typename T>
+void attend(const Problem& p, const std::vector<Task>& tasks, int64_t D, const T* q, const T* kv, T* out) {
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  // Tasks differ in length (contexts and chunk sizes vary): hand them out one at a time.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) {
+      switch (D) {
+        case 16: attend_tile<T, 1>(p, tasks[i], q, kv, out, scratch); break;
+        case 32: attend_tile<T, 2>(p, tasks[i], q, kv, out, scratch); break;
+        case 64: attend_tile<T, 4>(p, tasks[i], q, kv, out, scratch); break;
+        case 128: attend_tile<T, 8>(p, tasks[i], q, kv, out, scratch); break;
+        default: attend_tile_generic<T>(p, tasks[i], D, q, kv, out, scratch);
+      }
+    }
+  }
 }
 
 }  // namespace
 
-// q [D, H, Dh]; kv [S, 2, KVH, Dh]; req_to_token [R, C] int32; req_idx, seq_lens [D] int64.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token,
-                                     torch::Tensor req_idx, torch::Tensor seq_lens, double scale) {
+// q [N, H, D] (this step's tokens); kv [S, 2, KVH, D]; req_to_token [R, C] int32; per batch row
+// (int64): req_idx, token_starts (first token of the row in q), extend_lens, seq_lens (cached
+// tokens including this step's). Returns [N, H, D].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
+                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
+                              double scale) {
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && req_to_token.is_contiguous(), "contiguous inputs expected");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && kv.size(1) == 2 && kv.size(3) == q.size(2), "q [N,H,D], kv [S,2,KVH,D]");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
   TORCH_CHECK(req_to_token.scalar_type() == torch::kInt32, "req_to_token must be int32");
-  auto req_idx_c = req_idx.to(torch::kInt64).contiguous();
-  auto seq_lens_c = seq_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(q);
-  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = kv.size(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(), req_to_token.data_ptr<int32_t>(),
-                            req_idx_c.data_ptr<int64_t>(), seq_lens_c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                            num_reqs, num_heads, num_kv_heads, head_dim, kv.stride(0), req_to_token.stride(0),
-                            static_cast<float>(scale));
+  const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = kv.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  auto as_i64 = [](const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); };
+  auto req_idx_c = as_i64(req_idx), starts_c = as_i64(token_starts), lens_c = as_i64(extend_lens),
+       seq_c = as_i64(seq_lens);
+  const int64_t num_rows = req_idx_c.numel();
+  TORCH_CHECK(starts_c.numel() == num_rows && lens_c.numel() == num_rows && seq_c.numel() == num_rows,
+              "one req_idx, token_start, extend_len and seq_len per row");
+  const int64_t group = num_heads / num_kv_heads;
+  const Problem p{num_heads, num_kv_heads, group, kv.stride(0), req_to_token.stride(0),
+                  req_to_token.data_ptr<int32_t>(), req_idx_c.data_ptr<int64_t>(), starts_c.data_ptr<int64_t>(),
+                  lens_c.data_ptr<int64_t>(), seq_c.data_ptr<int64_t>(), static_cast<float>(scale)};
+  // Tiles of as many tokens as fit kMaxTileRows query-head rows (at least one token).
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / group);
+  TORCH_CHECK(group <= kMaxTileRows || (D != 16 && D != 32 && D != 64 && D != 128),
+              "more than 16 query heads per kv head");
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t n = p.extend_lens[r];
+    TORCH_CHECK(n >= 1 && p.seq_lens[r] >= n && p.seq_lens[r] <= req_to_token.size(1), "bad row lengths");
+    TORCH_CHECK(p.token_starts[r] >= 0 && p.token_starts[r] + n <= q.size(0), "row tokens out of q");
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t first = 0; first < n; first += tile_tokens)
+        tasks.push_back({r, h, first, std::min(tile_tokens, n - first)});
+  }
+  // Longest tiles first, so the dynamic schedule ends with short ones.
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return p.seq_lens[a.row] - p.extend_lens[a.row] + a.first_token > p.seq_lens[b.row] - p.extend_lens[b.row] + b.first_token;
   });
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat32) {
+    attend<float>(p, tasks, D, q.data_ptr<float>(), kv.data_ptr<float>(), out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "paged_attention: float32 or bfloat16 expected");
+    attend<c10::BFloat16>(p, tasks, D, q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(),
+                          out.data_ptr<c10::BFloat16>());
+  }
   return out;
 }
