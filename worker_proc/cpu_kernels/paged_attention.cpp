@@ -83,6 +83,7 @@ constexpr int kValueRows = 4;     // rows whose V accumulators stay in registers
 
 struct Task {
   int64_t row, kv_head, first_token, num_tokens;  // tokens [first, first + num) of the batch row
+  // kv_head -1: a decode row, every head at once (attend_decode)
 };
 
 struct Problem {
@@ -202,6 +203,234 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
   }
 }
 
+constexpr int kMaxHeads = 32;
+constexpr int64_t kDecodeAhead = 4;  // slots fetched ahead by the decode path (whole slots: K and V of every head)
+
+inline void prefetch_slot(const void* slot, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(slot) + off);
+}
+
+inline float lane_max(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float lane_sum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// A row of one token (a decode): every head in one pass over the request's slots. A slot's K and
+// V of all kv heads are contiguous, so each is read whole, once, 16 tokens a block, with an
+// online softmax (a running max and sum per head). Slots are scattered in the pool: reading them
+// whole and fetching ahead is what keeps this near the memory's speed.
+template <typename T, int NV>
+void attend_decode(const Problem& p, int64_t row, const T* q, const T* kv, T* out) {
+  constexpr int64_t D = NV * kLanes;
+  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads;
+  const int64_t len = p.seq_lens[row], token = p.token_starts[row];
+  const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
+  const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(T));
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+
+  vf qs[kMaxHeads][NV], acc[kMaxHeads][NV], part[kMaxHeads][kLanes];
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
+  alignas(64) float prob[kMaxHeads + kValueRows][kLanes] = {};  // rows past H stay 0 (padding)
+  for (int64_t h = 0; h < H; ++h) {
+    for (int j = 0; j < NV; ++j) {
+      qs[h][j] = load16(q + (token * H + h) * D + j * kLanes) * p.scale;
+      acc[h][j] = vf{};
+    }
+    run_max[h] = -kInf;
+    run_sum[h] = 0.f;
+  }
+  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (t0 + i + kDecodeAhead < len) prefetch_slot(kv + slots[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
+      const T* k = kv + slots[t0 + i] * p.kv_slot_stride;
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        vf kr[NV];
+        for (int j = 0; j < NV; ++j) kr[j] = load16(k + kh * D + j * kLanes);
+        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+          vf s = qs[h][0] * kr[0];
+          for (int j = 1; j < NV; ++j) s = qs[h][j] * kr[j] + s;
+          part[h][i] = s;
+        }
+      }
+    }
+    const vi valid = iota < static_cast<int32_t>(n);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = n; i < kLanes; ++i) part[h][i] = vf{};
+      const vf s = valid ? transpose_sum(part[h]) : splat(-kInf);
+      const float new_max = std::max(run_max[h], lane_max(s));
+      vf x = s - new_max;
+      x = x > -87.f ? x : splat(-87.f);
+      const vf e = valid ? loom::vexp16(x) : vf{};
+      if (new_max != run_max[h]) {  // rescale what was summed under the old max
+        const float c = std::exp(run_max[h] - new_max);
+        run_sum[h] *= c;
+        for (int j = 0; j < NV; ++j) acc[h][j] *= c;
+        run_max[h] = new_max;
+      }
+      run_sum[h] += lane_sum(e);
+      std::memcpy(prob[h], &e, sizeof(e));
+    }
+    // acc += p * v, kValueRows query heads of one kv head in registers at a time
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += kValueRows) {
+        const int64_t rows = std::min<int64_t>(kValueRows, (kh + 1) * G - h0);
+        vf a[kValueRows][NV] = {};
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < NV; ++j) a[r][j] = acc[h0 + r][j];
+        for (int64_t i = 0; i < n; ++i) {
+          const T* v = kv + slots[t0 + i] * p.kv_slot_stride + (KVH + kh) * D;
+          vf vr[NV];
+          for (int j = 0; j < NV; ++j) vr[j] = load16(v + j * kLanes);
+          for (int r = 0; r < kValueRows; ++r) {  // rows past `rows` have probability 0
+            const vf w = splat(r < rows ? prob[h0 + r][i] : 0.f);
+            for (int j = 0; j < NV; ++j) a[r][j] = w * vr[j] + a[r][j];
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < NV; ++j) acc[h0 + r][j] = a[r][j];
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    alignas(64) float buf[D];
+    for (int j = 0; j < NV; ++j) {
+      const vf o = acc[h][j] * (1.f / run_sum[h]);
+      std::memcpy(buf + j * kLanes, &o, sizeof(o));
+    }
+    T* o = out + (token * H + h) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(buf[d]);
+  }
+}
+
+#ifdef __AVX512BF16__
+// attend_decode for bfloat16 on CPUs with AVX512-BF16: the products take bf16 pairs straight from
+// the pool (vdpbf16ps: 32 multiply-adds, no widening). Scores pair adjacent head dims; the
+// probability-weighted V sum pairs two tokens, so V rows are interleaved two by two and the
+// probabilities rounded to bf16 (as GPU flash-attention kernels round P). Lanes of the V sums
+// come out permuted within each 128-bit block; the store undoes that.
+template <int NV>
+void attend_decode_dpbf16(const Problem& p, int64_t row, const c10::BFloat16* q, const c10::BFloat16* kv,
+                          c10::BFloat16* out) {
+  constexpr int64_t D = NV * kLanes;
+  constexpr int NB = NV / 2;       // 32-element bf16 vectors per head row
+  constexpr int64_t kBlock = 64;  // tokens per online-softmax update
+  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads;
+  const int64_t len = p.seq_lens[row], token = p.token_starts[row];
+  const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
+  const int64_t slot_bytes = 2 * KVH * D * 2;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  auto load_bh = [](const c10::BFloat16* src) { return (__m512bh)_mm512_loadu_si512(src); };
+
+  __m512bh qs[kMaxHeads][NB];
+  __m512 acc[kMaxHeads][NV];  // [2b] and [2b + 1]: the two permuted halves of bf16 vector b
+  vf part[kMaxHeads][kLanes];
+  alignas(64) float scores[kMaxHeads][kBlock];
+  alignas(64) uint16_t prob[kMaxHeads][kBlock];
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
+  for (int64_t h = 0; h < H; ++h) {
+    for (int b = 0; b < NB; ++b) qs[h][b] = load_bh(q + (token * H + h) * D + b * 32);
+    for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_setzero_ps();
+    run_max[h] = -kInf;
+    run_sum[h] = 0.f;
+  }
+  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t t0 = 0; t0 < len; t0 += kBlock) {
+    const int64_t nb = std::min(kBlock, len - t0);
+    // scores of the block, 16 tokens per transpose; tokens past the end score -inf
+    for (int64_t s0 = 0; s0 < nb; s0 += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, nb - s0);
+      for (int64_t i = 0; i < n; ++i) {
+        if (t0 + s0 + i + kDecodeAhead < len) prefetch_slot(kv + slots[t0 + s0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
+        const c10::BFloat16* k = kv + slots[t0 + s0 + i] * p.kv_slot_stride;
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+          __m512bh kr[NB];
+          for (int b = 0; b < NB; ++b) kr[b] = load_bh(k + kh * D + b * 32);
+          for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qs[h][0], kr[0]);
+            for (int b = 1; b < NB; ++b) s = _mm512_dpbf16_ps(s, qs[h][b], kr[b]);
+            part[h][i] = reinterpret_cast<vf>(s);
+          }
+        }
+      }
+      const vi valid = iota < static_cast<int32_t>(n);
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i = n; i < kLanes; ++i) part[h][i] = vf{};
+        const vf s = valid ? transpose_sum(part[h]) * p.scale : splat(-kInf);
+        std::memcpy(scores[h] + s0, &s, sizeof(s));
+      }
+    }
+    const int64_t padded = (nb + kLanes - 1) / kLanes * kLanes;
+    for (int64_t h = 0; h < H; ++h) {
+      __m512 mv = _mm512_set1_ps(-kInf);
+      for (int64_t s0 = 0; s0 < padded; s0 += kLanes) mv = _mm512_max_ps(mv, _mm512_load_ps(scores[h] + s0));
+      const float new_max = std::max(run_max[h], _mm512_reduce_max_ps(mv));
+      if (new_max != run_max[h]) {  // rescale what was summed under the old max
+        const float c = std::exp(run_max[h] - new_max);
+        run_sum[h] *= c;
+        for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_mul_ps(acc[h][j], _mm512_set1_ps(c));
+        run_max[h] = new_max;
+      }
+      vf sum = {};
+      for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
+        const vf s = load16(scores[h] + s0);
+        vf x = s - new_max;
+        x = x > -87.f ? x : splat(-87.f);
+        const vf e = s > -kInf ? loom::vexp16(x) : vf{};
+        sum += e;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob[h] + s0),
+                            (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512>(e)));
+      }
+      run_sum[h] += _mm512_reduce_add_ps(reinterpret_cast<__m512>(sum));
+    }
+    // acc += p * v, two tokens per dpbf16 (an odd last token pairs with itself at probability 0)
+    for (int64_t i = 0; i < nb; i += 2) {
+      const c10::BFloat16* v0 = kv + slots[t0 + i] * p.kv_slot_stride + KVH * D;
+      const c10::BFloat16* v1 = i + 1 < nb ? kv + slots[t0 + i + 1] * p.kv_slot_stride + KVH * D : v0;
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        __m512i lo[NB], hi[NB];
+        for (int b = 0; b < NB; ++b) {
+          const __m512i a = _mm512_loadu_si512(v0 + kh * D + b * 32), c = _mm512_loadu_si512(v1 + kh * D + b * 32);
+          lo[b] = _mm512_unpacklo_epi16(a, c);
+          hi[b] = _mm512_unpackhi_epi16(a, c);
+        }
+        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+          uint32_t pair;
+          std::memcpy(&pair, prob[h] + i, 4);
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int b = 0; b < NB; ++b) {
+            acc[h][2 * b] = _mm512_dpbf16_ps(acc[h][2 * b], (__m512bh)lo[b], w);
+            acc[h][2 * b + 1] = _mm512_dpbf16_ps(acc[h][2 * b + 1], (__m512bh)hi[b], w);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    alignas(64) float lo[16], hi[16];
+    c10::BFloat16* o = out + (token * H + h) * D;
+    const float inv = 1.f / run_sum[h];
+    for (int b = 0; b < NB; ++b) {
+      _mm512_store_ps(lo, acc[h][2 * b]);
+      _mm512_store_ps(hi, acc[h][2 * b + 1]);
+      // 128-bit block k of lo holds dims 8k..8k+3 of this 32-dim slice, of hi dims 8k+4..8k+7
+      for (int k = 0; k < 4; ++k)
+        for (int j = 0; j < 4; ++j) {
+          o[b * 32 + 8 * k + j] = static_cast<c10::BFloat16>(lo[4 * k + j] * inv);
+          o[b * 32 + 8 * k + 4 + j] = static_cast<c10::BFloat16>(hi[4 * k + j] * inv);
+        }
+    }
+  }
+}
+#endif
+
 // Any head size: the same math one query head at a time, with plain loops.
 template <typename T>
 void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T* q, const T* kv, T* out,
@@ -247,6 +476,23 @@ void attend(const Problem& p, const std::vector<Task>& tasks, int64_t D, const T
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
+      const Task& task = tasks[i];
+      if (task.kv_head < 0) {  // a decode row, all heads
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (D == 64) { attend_decode_dpbf16<4>(p, task.row, q, kv, out); continue; }
+          if (D == 128) { attend_decode_dpbf16<8>(p, task.row, q, kv, out); continue; }
+          if (D == 32) { attend_decode_dpbf16<2>(p, task.row, q, kv, out); continue; }
+        }
+#endif
+        switch (D) {
+          case 16: attend_decode<T, 1>(p, task.row, q, kv, out); break;
+          case 32: attend_decode<T, 2>(p, task.row, q, kv, out); break;
+          case 64: attend_decode<T, 4>(p, task.row, q, kv, out); break;
+          case 128: attend_decode<T, 8>(p, task.row, q, kv, out); break;
+        }
+        continue;
+      }
       switch (D) {
         case 16: attend_tile<T, 1>(p, tasks[i], q, kv, out, scratch); break;
         case 32: attend_tile<T, 2>(p, tasks[i], q, kv, out, scratch); break;
@@ -286,11 +532,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor r
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / group);
   TORCH_CHECK(group <= kMaxTileRows || (D != 16 && D != 32 && D != 64 && D != 128),
               "more than 16 query heads per kv head");
+  const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
   std::vector<Task> tasks;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = p.extend_lens[r];
     TORCH_CHECK(n >= 1 && p.seq_lens[r] >= n && p.seq_lens[r] <= req_to_token.size(1), "bad row lengths");
     TORCH_CHECK(p.token_starts[r] >= 0 && p.token_starts[r] + n <= q.size(0), "row tokens out of q");
+    if (n == 1 && whole_slot_decode) {
+      tasks.push_back({r, -1, 0, 1});
+      continue;
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t first = 0; first < n; first += tile_tokens)
         tasks.push_back({r, h, first, std::min(tile_tokens, n - first)});
