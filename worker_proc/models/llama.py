@@ -139,16 +139,38 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.layer_stack = None  # see build_layer_stack
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, logit_rows: torch.Tensor
     ) -> torch.Tensor:
         """Returns logits (float32) only for the token rows in `logit_rows`."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, attn)
+        run_layers = getattr(attn, "run_layers", None)
+        if self.layer_stack is not None and run_layers is not None and len(input_ids) <= self.ops.small_m_rows:
+            x, residual = run_layers(self.layer_stack, x, positions, self.rotary.cos, self.rotary.sin)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, self.rotary, attn)
         h, _ = self.ops.add_rms_norm(x[logit_rows], residual[logit_rows], self.norm.weight, self.norm.eps)
         return self.lm_head(h).float()
+
+    def build_layer_stack(self) -> bool:
+        """Hands the decoder layers' weights to the compiled layer stack, which then runs small
+        steps (up to `ops.small_m_rows` tokens) in one call. Call after any weight change
+        (loading, quantization). Models with per-head q/k norms keep the Python path."""
+        kernels = self.ops.kernels
+        if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0:
+            return False
+        c = self.config
+        stack = kernels.LayerStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                            attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(),
+                            mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec())
+        self.layer_stack = stack
+        return True
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -1,0 +1,111 @@
+// The decoder layers of a small step (a few token rows: decodes) in one call from Python. Each op
+// is one of loom's kernels, as in the Python model (worker_proc/models/llama.py), but the ~10 ops
+// of each of 30 layers no longer pay a Python call and dispatch each: at batch 1 that glue costs
+// as much as a quarter of the step.
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
+                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
+                              double scale);
+torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor x);
+void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+           int64_t head_dim);
+
+namespace {
+
+// A linear's weights in the form its Python module keeps them: [w] dense, [q, scale] int8,
+// [q, scale, min] int4; plus an optional bias.
+struct LinearWeights {
+  std::vector<torch::Tensor> tensors;
+  std::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y;
+    switch (tensors.size()) {
+      case 1: y = linear_dense(x, tensors[0]); break;
+      case 2: y = linear_int8(x, tensors[0], tensors[1]); break;
+      default: y = linear_int4(x, tensors[0], tensors[1], tensors[2]);
+    }
+    if (bias) y.add_(*bias);
+    return y;
+  }
+};
+
+using LinearSpec = std::tuple<std::vector<torch::Tensor>, std::optional<torch::Tensor>>;
+
+LinearWeights from_spec(const LinearSpec& spec) {
+  const auto& [tensors, bias] = spec;
+  TORCH_CHECK(!tensors.empty() && tensors.size() <= 3, "a linear is [w], [q, scale] or [q, scale, min]");
+  return {tensors, bias};
+}
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  LinearWeights qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+class LayerStack {
+ public:
+  LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
+                 const LinearSpec& gate_up, const LinearSpec& down) {
+    layers_.push_back({input_norm, post_norm, from_spec(qkv), from_spec(o), from_spec(gate_up), from_spec(down)});
+  }
+
+  // x: embeddings [T, hidden]. Writes each layer's K/V to its pool tensor at out_cache_loc and
+  // attends as worker_proc/attention.py's PagedKernelAttention. Returns the last layer's output
+  // and the residual stream (the final norm adds them).
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
+                                                   torch::Tensor sin, const std::vector<torch::Tensor>& kv,
+                                                   torch::Tensor out_cache_loc, torch::Tensor req_to_token,
+                                                   torch::Tensor req_idx, torch::Tensor token_starts,
+                                                   torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
+    TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
+    const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      torch::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = rms_norm(x, layer.input_norm, eps_);
+      } else {
+        h = add_rms_norm(x, residual, layer.input_norm, eps_);
+      }
+      torch::Tensor qkv = layer.qkv(h);
+      rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
+      // K then V of a row is exactly a slot's layout: copy them in one go
+      kv[i].view({kv[i].size(0), -1}).index_copy_(0, out_cache_loc, qkv.narrow(1, q_size, 2 * kv_size));
+      torch::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({t, num_heads_, head_dim_});
+      torch::Tensor attn = paged_attention(q, kv[i], req_to_token, req_idx, token_starts, extend_lens, seq_lens, scale);
+      h = add_rms_norm(layer.o(attn.view({t, q_size})), residual, layer.post_norm, eps_);
+      x = layer.down(silu_mul(layer.gate_up(h)));
+    }
+    return {x, residual};
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+  std::vector<Layer> layers_;
+};
+
+void bind_layer_stack(pybind11::module_& m) {
+  pybind11::class_<LayerStack>(m, "LayerStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &LayerStack::add_layer)
+      .def("forward", &LayerStack::forward);
+}
