@@ -35,6 +35,29 @@ def test_paged_attention_matches_reference(kernel, dtype, tol, heads, kv_heads, 
     token_starts = torch.cumsum(extend_lens, 0) - extend_lens
     q = torch.randn(int(extend_lens.sum()), heads, head_dim, dtype=dtype)
     out = kernel.paged_attention(q, kv, req_to_token, req_idx, token_starts, extend_lens, seq_lens, head_dim**-0.5)
+    _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16)])
+def test_few_decode_rows_split_across_threads_match_reference(kernel, dtype, tol, heads, kv_heads, head_dim):
+    """One or two long decodes: each row's cached tokens are split into parts that are merged."""
+    torch.manual_seed(1)
+    kv = torch.randn(2000, 2, kv_heads, head_dim, dtype=dtype)
+    req_to_token = torch.randint(1, 2000, (4, 1000), dtype=torch.int32)
+    for lens in ([1000], [700, 129]):
+        req_idx = torch.arange(len(lens))
+        extend_lens = torch.ones(len(lens), dtype=torch.int64)
+        prefix_lens = torch.tensor(lens) - 1
+        token_starts = torch.arange(len(lens))
+        q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+        out = kernel.paged_attention(q, kv, req_to_token, req_idx, token_starts, extend_lens, prefix_lens + 1,
+                                     head_dim**-0.5)
+        _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol)
+
+
+def _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol):
+    seq_lens = prefix_lens + extend_lens
     for r in range(len(req_idx)):
         rows = kv[req_to_token[req_idx[r], : seq_lens[r]].long()].float()
         start, n, prefix = int(token_starts[r]), int(extend_lens[r]), int(prefix_lens[r])

@@ -83,8 +83,16 @@ constexpr int kValueRows = 4;     // rows whose V accumulators stay in registers
 
 struct Task {
   int64_t row, kv_head, first_token, num_tokens;  // tokens [first, first + num) of the batch row
-  // kv_head -1: a decode row, every head at once (attend_decode)
+  // kv_head -1: (part of) a decode row, every head at once (attend_decode): first_token and
+  // num_tokens are then the range of cached tokens it covers, and `partial` where it writes
+  // its unnormalised result
+  int64_t partial = -1;
 };
+
+// A decode part's result per head: D sums of p * v, then the max score and the sum of p.
+inline float* partial_at(float* partials, int64_t index, int64_t H, int64_t D) {
+  return partials + index * H * (D + 2);
+}
 
 struct Problem {
   int64_t num_heads, num_kv_heads, group, kv_slot_stride, r2t_stride;
@@ -205,6 +213,7 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
 
 constexpr int kMaxHeads = 32;
 constexpr int64_t kDecodeAhead = 4;  // slots fetched ahead by the decode path (whole slots: K and V of every head)
+constexpr int64_t kMinDecodePart = 64;  // cached tokens per part, at least, when a decode row is split
 
 inline void prefetch_slot(const void* slot, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(slot) + off);
@@ -226,10 +235,10 @@ inline float lane_sum(vf v) {
 // online softmax (a running max and sum per head). Slots are scattered in the pool: reading them
 // whole and fetching ahead is what keeps this near the memory's speed.
 template <typename T, int NV>
-void attend_decode(const Problem& p, int64_t row, const T* q, const T* kv, T* out) {
+void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
   constexpr int64_t D = NV * kLanes;
-  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads;
-  const int64_t len = p.seq_lens[row], token = p.token_starts[row];
+  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
+  const int64_t begin = task.first_token, len = task.first_token + task.num_tokens, token = p.token_starts[row];
   const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
   const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(T));
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -246,7 +255,7 @@ void attend_decode(const Problem& p, int64_t row, const T* q, const T* kv, T* ou
     run_sum[h] = 0.f;
   }
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+  for (int64_t t0 = begin; t0 < len; t0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, len - t0);
     for (int64_t i = 0; i < n; ++i) {
       if (t0 + i + kDecodeAhead < len) prefetch_slot(kv + slots[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
@@ -300,13 +309,10 @@ void attend_decode(const Problem& p, int64_t row, const T* q, const T* kv, T* ou
     }
   }
   for (int64_t h = 0; h < H; ++h) {
-    alignas(64) float buf[D];
-    for (int j = 0; j < NV; ++j) {
-      const vf o = acc[h][j] * (1.f / run_sum[h]);
-      std::memcpy(buf + j * kLanes, &o, sizeof(o));
-    }
-    T* o = out + (token * H + h) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(buf[d]);
+    float* o = partial + h * (D + 2);
+    std::memcpy(o, acc[h], sizeof(acc[h]));
+    o[D] = run_max[h];
+    o[D + 1] = run_sum[h];
   }
 }
 
@@ -317,13 +323,13 @@ void attend_decode(const Problem& p, int64_t row, const T* q, const T* kv, T* ou
 // probabilities rounded to bf16 (as GPU flash-attention kernels round P). Lanes of the V sums
 // come out permuted within each 128-bit block; the store undoes that.
 template <int NV>
-void attend_decode_dpbf16(const Problem& p, int64_t row, const c10::BFloat16* q, const c10::BFloat16* kv,
-                          c10::BFloat16* out) {
+void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
+                          float* partial) {
   constexpr int64_t D = NV * kLanes;
   constexpr int NB = NV / 2;       // 32-element bf16 vectors per head row
   constexpr int64_t kBlock = 64;  // tokens per online-softmax update
-  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads;
-  const int64_t len = p.seq_lens[row], token = p.token_starts[row];
+  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
+  const int64_t begin = task.first_token, len = task.first_token + task.num_tokens, token = p.token_starts[row];
   const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
   const int64_t slot_bytes = 2 * KVH * D * 2;
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -342,7 +348,7 @@ void attend_decode_dpbf16(const Problem& p, int64_t row, const c10::BFloat16* q,
     run_sum[h] = 0.f;
   }
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t t0 = 0; t0 < len; t0 += kBlock) {
+  for (int64_t t0 = begin; t0 < len; t0 += kBlock) {
     const int64_t nb = std::min(kBlock, len - t0);
     // scores of the block, 16 tokens per transpose; tokens past the end score -inf
     for (int64_t s0 = 0; s0 < nb; s0 += kLanes) {
@@ -415,18 +421,19 @@ void attend_decode_dpbf16(const Problem& p, int64_t row, const c10::BFloat16* q,
   }
   for (int64_t h = 0; h < H; ++h) {
     alignas(64) float lo[16], hi[16];
-    c10::BFloat16* o = out + (token * H + h) * D;
-    const float inv = 1.f / run_sum[h];
+    float* o = partial + h * (D + 2);
     for (int b = 0; b < NB; ++b) {
       _mm512_store_ps(lo, acc[h][2 * b]);
       _mm512_store_ps(hi, acc[h][2 * b + 1]);
       // 128-bit block k of lo holds dims 8k..8k+3 of this 32-dim slice, of hi dims 8k+4..8k+7
       for (int k = 0; k < 4; ++k)
         for (int j = 0; j < 4; ++j) {
-          o[b * 32 + 8 * k + j] = static_cast<c10::BFloat16>(lo[4 * k + j] * inv);
-          o[b * 32 + 8 * k + 4 + j] = static_cast<c10::BFloat16>(hi[4 * k + j] * inv);
+          o[b * 32 + 8 * k + j] = lo[4 * k + j];
+          o[b * 32 + 8 * k + 4 + j] = hi[4 * k + j];
         }
     }
+    o[D] = run_max[h];
+    o[D + 1] = run_sum[h];
   }
 }
 #endif
@@ -467,9 +474,16 @@ void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T*
   }
 }
 
+struct DecodeRow {
+  int64_t row, first_partial, num_parts;
+};
+
 template <typename T>
-void attend(const Problem& p, const std::vector<Task>& tasks, int64_t D, const T* q, const T* kv, T* out) {
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<DecodeRow>& decode_rows,
+            int64_t D, const T* q, const T* kv, T* out) {
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size()), H = p.num_heads;
+  const int64_t num_partials = decode_rows.empty() ? 0 : decode_rows.back().first_partial + decode_rows.back().num_parts;
+  std::vector<float> partials(num_partials * H * (D + 2));
   // Tasks differ in length (contexts and chunk sizes vary): hand them out one at a time.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -477,19 +491,20 @@ void attend(const Problem& p, const std::vector<Task>& tasks, int64_t D, const T
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
       const Task& task = tasks[i];
-      if (task.kv_head < 0) {  // a decode row, all heads
+      if (task.kv_head < 0) {  // (part of) a decode row, all heads
+        float* partial = partial_at(partials.data(), task.partial, H, D);
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (D == 64) { attend_decode_dpbf16<4>(p, task.row, q, kv, out); continue; }
-          if (D == 128) { attend_decode_dpbf16<8>(p, task.row, q, kv, out); continue; }
-          if (D == 32) { attend_decode_dpbf16<2>(p, task.row, q, kv, out); continue; }
+          if (D == 64) { attend_decode_dpbf16<4>(p, task, q, kv, partial); continue; }
+          if (D == 128) { attend_decode_dpbf16<8>(p, task, q, kv, partial); continue; }
+          if (D == 32) { attend_decode_dpbf16<2>(p, task, q, kv, partial); continue; }
         }
 #endif
         switch (D) {
-          case 16: attend_decode<T, 1>(p, task.row, q, kv, out); break;
-          case 32: attend_decode<T, 2>(p, task.row, q, kv, out); break;
-          case 64: attend_decode<T, 4>(p, task.row, q, kv, out); break;
-          case 128: attend_decode<T, 8>(p, task.row, q, kv, out); break;
+          case 16: attend_decode<T, 1>(p, task, q, kv, partial); break;
+          case 32: attend_decode<T, 2>(p, task, q, kv, partial); break;
+          case 64: attend_decode<T, 4>(p, task, q, kv, partial); break;
+          case 128: attend_decode<T, 8>(p, task, q, kv, partial); break;
         }
         continue;
       }
@@ -499,6 +514,26 @@ void attend(const Problem& p, const std::vector<Task>& tasks, int64_t D, const T
         case 64: attend_tile<T, 4>(p, tasks[i], q, kv, out, scratch); break;
         case 128: attend_tile<T, 8>(p, tasks[i], q, kv, out, scratch); break;
         default: attend_tile_generic<T>(p, tasks[i], D, q, kv, out, scratch);
+      }
+    }
+    // each decode row: its parts' sums, rescaled to their common max, then normalised
+#pragma omp for schedule(static)
+    for (size_t r = 0; r < decode_rows.size(); ++r) {
+      const DecodeRow& dr = decode_rows[r];
+      T* o = out + p.token_starts[dr.row] * H * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t k = 0; k < dr.num_parts; ++k)
+          top = std::max(top, partial_at(partials.data(), dr.first_partial + k, H, D)[h * (D + 2) + D]);
+        std::vector<float> acc(D, 0.f);
+        float sum = 0.f;
+        for (int64_t k = 0; k < dr.num_parts; ++k) {
+          const float* part = partial_at(partials.data(), dr.first_partial + k, H, D) + h * (D + 2);
+          const float c = dr.num_parts == 1 ? 1.f : std::exp(part[D] - top);
+          sum += part[D + 1] * c;
+          for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * c;
+        }
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[d] / sum);
       }
     }
   }
@@ -534,28 +569,45 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor r
               "more than 16 query heads per kv head");
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
   std::vector<Task> tasks;
+  std::vector<int64_t> decodes;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = p.extend_lens[r];
     TORCH_CHECK(n >= 1 && p.seq_lens[r] >= n && p.seq_lens[r] <= req_to_token.size(1), "bad row lengths");
     TORCH_CHECK(p.token_starts[r] >= 0 && p.token_starts[r] + n <= q.size(0), "row tokens out of q");
     if (n == 1 && whole_slot_decode) {
-      tasks.push_back({r, -1, 0, 1});
+      decodes.push_back(r);
       continue;
     }
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t first = 0; first < n; first += tile_tokens)
         tasks.push_back({r, h, first, std::min(tile_tokens, n - first)});
   }
-  // Longest tiles first, so the dynamic schedule ends with short ones.
-  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
-    return p.seq_lens[a.row] - p.extend_lens[a.row] + a.first_token > p.seq_lens[b.row] - p.extend_lens[b.row] + b.first_token;
-  });
+  // With fewer tasks than threads to keep busy (small decode batches), a decode row's cached
+  // tokens are split into parts that run in parallel and are merged at the end.
+  const int64_t want = 2 * at::get_num_threads(), have = static_cast<int64_t>(tasks.size() + decodes.size());
+  std::vector<DecodeRow> decode_rows;
+  int64_t num_partials = 0;
+  for (int64_t r : decodes) {
+    const int64_t len = p.seq_lens[r];
+    const int64_t split = have >= want ? 1 : (want + have - 1) / have;
+    const int64_t parts = std::max<int64_t>(1, std::min(split, len / kMinDecodePart));
+    decode_rows.push_back({r, num_partials, parts});
+    for (int64_t k = 0; k < parts; ++k) {
+      const int64_t first = len * k / parts, last = len * (k + 1) / parts;
+      tasks.push_back({r, -1, first, last - first, num_partials++});
+    }
+  }
+  // Longest first, so the dynamic schedule ends with short ones.
+  auto work = [&](const Task& t) {
+    return t.kv_head < 0 ? t.num_tokens : p.seq_lens[t.row] - p.extend_lens[t.row] + t.first_token + t.num_tokens;
+  };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) { return work(a) > work(b); });
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
-    attend<float>(p, tasks, D, q.data_ptr<float>(), kv.data_ptr<float>(), out.data_ptr<float>());
+    attend<float>(p, tasks, decode_rows, D, q.data_ptr<float>(), kv.data_ptr<float>(), out.data_ptr<float>());
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "paged_attention: float32 or bfloat16 expected");
-    attend<c10::BFloat16>(p, tasks, D, q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(),
+    attend<c10::BFloat16>(p, tasks, decode_rows, D, q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(),
                           out.data_ptr<c10::BFloat16>());
   }
   return out;
