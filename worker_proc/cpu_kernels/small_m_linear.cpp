@@ -5,12 +5,14 @@
 //   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n]
 //   int4   W uint8 [N, K/2] in groups of 32 (GGUF Q4 order: byte i of a group holds element i in
 //          its low nibble and element i+16 in its high one), per group float16 scale and min:
-//          w = q * scale + min (the GGUF Q4_1 block, 20 bytes per 32 weights)
+//          w = q * scale + min (the GGUF Q4_1 block, 20 bytes per 32 weights); with VNNI,
+//          bfloat16 activations are quantized to int8 per 32 (llama.cpp's Q8_1) for integer dots
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <cstring>
 #include <vector>
@@ -249,6 +251,117 @@ void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor&
   for (int64_t n = blocks * R; n < n_out; ++n) rows_block<1>(rows, n, xf.data(), xsum.data(), m, k, y, n_out);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
+// llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
+// (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
+// one instruction:
+//   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
+// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path.
+struct QuantizedX {
+  int64_t m, groups;
+  std::vector<int8_t> q;       // [m][groups / 2][64]: per pair, x_g[0:16] x_g1[0:16] x_g[16:32] x_g1[16:32]
+  std::vector<float> dx_lanes; // [m][groups / 2][16]: the dx of each lane's group, in that order
+  std::vector<float> sums;     // [m][groups]: sum of x_g (unquantized)
+};
+
+template <typename T>
+QuantizedX quantize_x(const T* x, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup, pairs = groups / 2;
+  QuantizedX qx{m, groups, std::vector<int8_t>(m * pairs * 64), std::vector<float>(m * pairs * 16),
+                std::vector<float>(m * groups)};
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      float v[kGroup], top = 0.f, sum = 0.f;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        v[j] = static_cast<float>(x[i * k + g * kGroup + j]);
+        top = std::max(top, std::abs(v[j]));
+        sum += v[j];
+      }
+      const float dx = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+      const int64_t pair = g / 2, side = g % 2;
+      int8_t* q = qx.q.data() + (i * pairs + pair) * 64;
+      float* lanes = qx.dx_lanes.data() + (i * pairs + pair) * 16;
+      for (int64_t j = 0; j < kGroup; ++j)  // low half at 16*side, high half at 32 + 16*side
+        q[(j < 16 ? 0 : 32) + 16 * side + j % 16] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+      for (int l = 0; l < 4; ++l) lanes[4 * side + l] = lanes[8 + 4 * side + l] = dx;
+      qx.sums[i * groups + g] = sum;
+    }
+  return qx;
+}
+
+template <int R, int MX>
+inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& qx, int64_t i0, int64_t k,
+                            float out[R][kXBlock]) {
+  const int64_t groups = k / kGroup, pairs = groups / 2;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m512i scale_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  __m512 acc[R][MX];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int r = 0; r < R; ++r) __builtin_prefetch(rows.addr(n0 + r + kPrefetchRows, p * 2 * kGroup));
+    for (int r = 0; r < R; ++r) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.w + (n0 + r) * (k / 2) + p * 32));
+      const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+      const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      int32_t two_scales;
+      std::memcpy(&two_scales, rows.scale + (n0 + r) * groups + 2 * p, 4);
+      const __m512 ws = _mm512_permutexvar_ps(
+          scale_lanes, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_set1_epi32(two_scales))));
+      for (int i = 0; i < MX; ++i) {
+        const int64_t row = (i0 + i) * pairs + p;
+        const __m512i xq = _mm512_loadu_si512(qx.q.data() + row * 64);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq);
+        const __m512 dx = _mm512_loadu_ps(qx.dx_lanes.data() + row * 16);
+        acc[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx), ws, acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const at::Half* mins = rows.minimum + (n0 + r) * groups;
+    for (int i = 0; i < MX; ++i) {
+      const float* sums = qx.sums.data() + (i0 + i) * groups;
+      __m512 offset = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 live = static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1);
+        const __m512 mn = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g));
+        offset = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(live, sums + g), offset);
+      }
+      out[r][i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][i], offset));
+    }
+  }
+}
+
+template <typename T>
+void run_int4_vnni(const torch::Tensor& x, const Int4Rows& rows, int64_t n_out, torch::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const QuantizedX qx = quantize_x(x.data_ptr<T>(), m, k);
+  T* y = out.data_ptr<T>();
+  constexpr int64_t R = Int4Rows::kBlockRows;
+  auto block = [&](auto r_const, int64_t n0) {
+    constexpr int RR = decltype(r_const)::value;
+    for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
+      float part[RR][kXBlock];
+      switch (std::min<int64_t>(kXBlock, m - i0)) {
+        case 1: int4_vnni_block<RR, 1>(rows, n0, qx, i0, k, part); break;
+        case 2: int4_vnni_block<RR, 2>(rows, n0, qx, i0, k, part); break;
+        case 3: int4_vnni_block<RR, 3>(rows, n0, qx, i0, k, part); break;
+        default: int4_vnni_block<RR, kXBlock>(rows, n0, qx, i0, k, part);
+      }
+      for (int r = 0; r < RR; ++r)
+        for (int64_t i = 0; i < std::min<int64_t>(kXBlock, m - i0); ++i)
+          y[(i0 + i) * n_out + n0 + r] = static_cast<T>(part[r][i]);
+    }
+  };
+  const int64_t blocks = n_out / R;
+  at::parallel_for(0, blocks, 16 / R, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) block(std::integral_constant<int, R>{}, b * R);
+  });
+  for (int64_t n = blocks * R; n < n_out; ++n) block(std::integral_constant<int, 1>{}, n);
+}
+#endif
+
 template <typename Rows>
 torch::Tensor dispatch(const torch::Tensor& x_in, const Rows& rows, int64_t n_out) {
   auto x = x_in.contiguous();
@@ -280,6 +393,15 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
   return dispatch(x, Int8Rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)}, w.size(0));
 }
 
+// Whether linear_int4 quantizes bfloat16 activations to int8 per group of 32 (VNNI builds).
+bool int4_int8_activations() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum) {
   const int64_t k = x.size(1), n = w.size(0);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
@@ -288,7 +410,16 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                   minimum.scalar_type() == torch::kHalf && scale.numel() == n * (k / kGroup) &&
                   minimum.numel() == n * (k / kGroup),
               "scale/min must be float16 [N, K/32]");
-  return dispatch(x, Int4Rows{w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), minimum.data_ptr<at::Half>(), k}, n);
+  const Int4Rows rows{w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), minimum.data_ptr<at::Half>(), k};
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0) {
+    auto xc = x.contiguous();
+    auto out = torch::empty({xc.size(0), n}, xc.options());
+    run_int4_vnni<at::BFloat16>(xc, rows, n, out);
+    return out;
+  }
+#endif
+  return dispatch(x, rows, n);
 }
 
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
