@@ -16,10 +16,14 @@ _VEC = 32  # the small-M kernel walks K in pairs of whole vectors (16 lanes at m
 
 
 class Ops:
-    def __init__(self, kernels=None, small_m_rows: int = 0):
+    def __init__(self, kernels=None, small_m_rows: int = 0, dense_bf16_rows: int = 0):
         self.kernels = kernels
-        # Inputs with at most this many rows take the weight-streaming kernel.
+        # Inputs with at most this many rows take the weight-streaming kernel; bfloat16 x bfloat16
+        # ones up to dense_bf16_rows where the kernel has bf16 dot products (faster than the GEMM
+        # for a few dozen rows).
         self.small_m_rows = small_m_rows if kernels is not None else 0
+        bf16_dot = kernels is not None and kernels.dense_bf16_dot()
+        self.dense_bf16_rows = max(self.small_m_rows, dense_bf16_rows if bf16_dot else 0)
 
     # ---- normalisation, activation, rotary ----------------------------------------------------
 
@@ -59,11 +63,12 @@ class Ops:
 
     # ---- linears --------------------------------------------------------------------------------
 
-    def _small(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.small_m_rows and x.shape[1] % _VEC == 0
+    def _small(self, x: torch.Tensor, rows: int | None = None) -> bool:
+        return x.shape[0] <= (self.small_m_rows if rows is None else rows) and x.shape[1] % _VEC == 0
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._small(x) and x.dtype == weight.dtype:
+        bf16 = x.dtype == weight.dtype == torch.bfloat16
+        if x.dtype == weight.dtype and (self._small(x) or (bf16 and self._small(x, self.dense_bf16_rows))):
             y = self.kernels.linear_dense(x, weight)
             return y if bias is None else y.add_(bias)
         return F.linear(x, weight, bias)

@@ -362,6 +362,63 @@ void run_int4_vnni(const torch::Tensor& x, const Int4Rows& rows, int64_t n_out, 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 weights and activations on AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs into 16
+// float32 lanes, so neither side is widened and each instruction does twice an FMA's work. Fast
+// enough to beat torch's GEMM up to a few dozen rows (kDenseDotRows).
+template <int R, int MX>
+inline void dense_dpbf16_block(const uint16_t* w, int64_t n0, const uint16_t* x, int64_t k, float out[R][kXBlock]) {
+  __m512 acc[R][MX];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 32) {
+    for (int r = 0; r < R; ++r) __builtin_prefetch(w + (n0 + r + kPrefetchRows) * k + j);
+    __m512bh xv[MX];
+    for (int i = 0; i < MX; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * k + j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n0 + r) * k + j);
+      for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv, xv[i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+template <int R>
+inline void dense_dpbf16_rows(const uint16_t* w, int64_t n0, const uint16_t* x, int64_t m, int64_t k,
+                              at::BFloat16* y, int64_t n_out) {
+  for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
+    float part[R][kXBlock];
+    const uint16_t* xb = x + i0 * k;
+    const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
+    switch (mx) {
+      case 1: dense_dpbf16_block<R, 1>(w, n0, xb, k, part); break;
+      case 2: dense_dpbf16_block<R, 2>(w, n0, xb, k, part); break;
+      case 3: dense_dpbf16_block<R, 3>(w, n0, xb, k, part); break;
+      default: dense_dpbf16_block<R, kXBlock>(w, n0, xb, k, part);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<at::BFloat16>(part[r][i]);
+  }
+}
+
+torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor& w) {
+  auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  constexpr int64_t R = 4;
+  const int64_t blocks = n / R;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) dense_dpbf16_rows<R>(wp, b * R, xp, m, k, y, n);
+  });
+  for (int64_t r = blocks * R; r < n; ++r) dense_dpbf16_rows<1>(wp, r, xp, m, k, y, n);
+  return out;
+}
+#endif
+
 template <typename Rows>
 torch::Tensor dispatch(const torch::Tensor& x_in, const Rows& rows, int64_t n_out) {
   auto x = x_in.contiguous();
@@ -383,6 +440,11 @@ torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1), "w must be contiguous [N, K]");
   if (w.scalar_type() == torch::kFloat32) return dispatch(x, DenseF32{w.data_ptr<float>(), w.size(1)}, w.size(0));
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "dense weights must be float32 or bfloat16");
+#if defined(__AVX512BF16__)
+  // (one to three rows stream faster through the widening kernel: one weight row at a time)
+  if (x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(0) >= 4 && x.size(1) % 32 == 0)
+    return linear_dense_dpbf16(x, w);
+#endif
   return dispatch(x, DenseBF16{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(1)}, w.size(0));
 }
 
@@ -391,6 +453,15 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0),
               "scale must be float32 [N]");
   return dispatch(x, Int8Rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)}, w.size(0));
+}
+
+// Whether bfloat16 x bfloat16 linears use vdpbf16ps (AVX512-BF16 builds).
+bool dense_bf16_dot() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Whether linear_int4 quantizes bfloat16 activations to int8 per group of 32 (VNNI builds).

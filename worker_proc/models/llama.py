@@ -140,6 +140,7 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.layer_stack = None  # see build_layer_stack
+        self.layer_stack_rows = 0
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, logit_rows: torch.Tensor
@@ -147,7 +148,7 @@ class CausalLM(nn.Module):
         """Returns logits (float32) only for the token rows in `logit_rows`."""
         x, residual = self.embed_tokens(input_ids), None
         run_layers = getattr(attn, "run_layers", None)
-        if self.layer_stack is not None and run_layers is not None and len(input_ids) <= self.ops.small_m_rows:
+        if self.layer_stack is not None and run_layers is not None and len(input_ids) <= self.layer_stack_rows:
             x, residual = run_layers(self.layer_stack, x, positions, self.rotary.cos, self.rotary.sin)
         else:
             for layer in self.layers:
@@ -157,8 +158,9 @@ class CausalLM(nn.Module):
 
     def build_layer_stack(self) -> bool:
         """Hands the decoder layers' weights to the compiled layer stack, which then runs small
-        steps (up to `ops.small_m_rows` tokens) in one call. Call after any weight change
-        (loading, quantization). Models with per-head q/k norms keep the Python path."""
+        steps in one call: up to as many tokens as its linears take the small-M kernel (more for
+        unquantized bfloat16). Call after any weight change (loading, quantization). Models with
+        per-head q/k norms keep the Python path."""
         kernels = self.ops.kernels
         if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0:
             return False
@@ -170,6 +172,9 @@ class CausalLM(nn.Module):
                             attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(),
                             mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec())
         self.layer_stack = stack
+        dense_bf16 = all(isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16
+                         for layer in self.layers for mod in layer.modules() if hasattr(mod, "kernel_spec"))
+        self.layer_stack_rows = self.ops.dense_bf16_rows if dense_bf16 else self.ops.small_m_rows
         return True
 
     # ---- weights ---------------------------------------------------------------------------
