@@ -116,27 +116,31 @@ def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k
     scale_tol = dict(atol=tol * 4, rtol=tol)
     dense = w.to(dtype)
     torch.testing.assert_close(kernel.linear_dense(x, dense), F.linear(x.float(), dense.float()).to(dtype), **scale_tol)
+    int8_acts = dtype == torch.bfloat16 and k % 64 == 0 and kernel.quantized_int8_activations()
     q8, s8 = quantize_int8(w)
+    x8 = _int8_per_group(x.float()) if int8_acts else x.float()
     torch.testing.assert_close(kernel.linear_int8(x, q8, s8),
-                               F.linear(x.float(), dequantize_int8(q8, s8, torch.float32)).to(dtype), **scale_tol)
+                               F.linear(x8, dequantize_int8(q8, s8, torch.float32)).to(dtype), **scale_tol)
     q4, s4, m4 = quantize_int4(w)
-    int8_acts = dtype == torch.bfloat16 and k % 64 == 0 and kernel.int4_int8_activations()
     torch.testing.assert_close(kernel.linear_int4(x, q4, s4, m4),
                                _int4_reference(x.float(), q4, s4, m4, int8_acts).to(dtype), **scale_tol)
 
 
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:
     """x @ W.T for the dequantized int4 W = codes * scale + min. With int8 activations (the VNNI
-    path: llama.cpp's Q8 activations) the codes term sees x rounded to int8 per group of 32, with
-    scale max|x| / 127; the min term sees x itself."""
+    path) the codes term sees x rounded to int8 per group of 32; the min term sees x itself."""
     w = dequantize_int4(q4, s4, m4, torch.float32)
     if not int8_acts:
         return F.linear(x, w)
     mins = m4.float().repeat_interleave(32, dim=1)
+    return F.linear(_int8_per_group(x), w - mins) + F.linear(x, mins)
+
+
+def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per group of 32 with scale max|x| / 127 (llama.cpp's Q8 activations)."""
     g = x.view(len(x), -1, 32)
     dx = g.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(g / dx.clamp_min(1e-30)) * dx).view_as(x)
-    return F.linear(xq, w - mins) + F.linear(x, mins)
+    return (torch.round(g / dx.clamp_min(1e-30)) * dx).view_as(x)
 
 
 def test_quantization_round_trip_error_is_bounded():

@@ -7,7 +7,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor r
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
-bool int4_int8_activations();
+bool quantized_int8_activations();
 bool dense_bf16_dot();
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype);
 torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype);
@@ -26,8 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights with per-row scales");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");
   m.def("dense_bf16_dot", &dense_bf16_dot, "whether bfloat16 linears use bf16 dot products (vdpbf16ps)");
-  m.def("int4_int8_activations", &int4_int8_activations,
-        "whether linear_int4 quantizes bfloat16 activations to int8 per group of 32 (integer dot products)");
+  m.def("quantized_int8_activations", &quantized_int8_activations,
+        "whether linear_int8 and linear_int4 quantize bfloat16 activations to int8 per group of 32 (integer dot products)");
   m.def("dequantize_int8", &dequantize_int8, "int8 weights widened to float32 / bfloat16");
   m.def("dequantize_int4", &dequantize_int4, "int4 weights widened to float32 / bfloat16");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");

@@ -5,8 +5,9 @@
 //   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n]
 //   int4   W uint8 [N, K/2] in groups of 32 (GGUF Q4 order: byte i of a group holds element i in
 //          its low nibble and element i+16 in its high one), per group float16 scale and min:
-//          w = q * scale + min (the GGUF Q4_1 block, 20 bytes per 32 weights); with VNNI,
-//          bfloat16 activations are quantized to int8 per 32 (llama.cpp's Q8_1) for integer dots
+//          w = q * scale + min (the GGUF Q4_1 block, 20 bytes per 32 weights)
+// With VNNI, int8 and int4 quantize bfloat16 activations to int8 per 32 (llama.cpp's Q8) for
+// integer dot products.
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -258,6 +259,21 @@ void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor&
 // one instruction:
 //   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
 // Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path.
+// x[0:32] -> q ~ x / dx, dx = max|x| / 127 (0 for an all-zero group); returns sum(x).
+template <typename T>
+inline float quantize_group(const T* x, int8_t* q, float& dx) {
+  float v[kGroup], top = 0.f, sum = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    v[j] = static_cast<float>(x[j]);
+    top = std::max(top, std::abs(v[j]));
+    sum += v[j];
+  }
+  dx = top / 127.f;
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+  return sum;
+}
+
 struct QuantizedX {
   int64_t m, groups;
   std::vector<int8_t> q;       // [m][groups / 2][64]: per pair, x_g[0:16] x_g1[0:16] x_g[16:32] x_g1[16:32]
@@ -272,22 +288,65 @@ QuantizedX quantize_x(const T* x, int64_t m, int64_t k) {
                 std::vector<float>(m * groups)};
   for (int64_t i = 0; i < m; ++i)
     for (int64_t g = 0; g < groups; ++g) {
-      float v[kGroup], top = 0.f, sum = 0.f;
-      for (int64_t j = 0; j < kGroup; ++j) {
-        v[j] = static_cast<float>(x[i * k + g * kGroup + j]);
-        top = std::max(top, std::abs(v[j]));
-        sum += v[j];
-      }
-      const float dx = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+      int8_t q[kGroup];
+      float dx;
+      qx.sums[i * groups + g] = quantize_group(x + i * k + g * kGroup, q, dx);
       const int64_t pair = g / 2, side = g % 2;
-      int8_t* q = qx.q.data() + (i * pairs + pair) * 64;
+      int8_t* dst = qx.q.data() + (i * pairs + pair) * 64;
       float* lanes = qx.dx_lanes.data() + (i * pairs + pair) * 16;
-      for (int64_t j = 0; j < kGroup; ++j)  // low half at 16*side, high half at 32 + 16*side
-        q[(j < 16 ? 0 : 32) + 16 * side + j % 16] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+      for (int64_t j = 0; j < kGroup; ++j) dst[(j < 16 ? 0 : 32) + 16 * side + j % 16] = q[j];
       for (int l = 0; l < 4; ++l) lanes[4 * side + l] = lanes[8 + 4 * side + l] = dx;
-      qx.sums[i * groups + g] = sum;
     }
   return qx;
+}
+
+// int8 x int8 on VNNI. vpdpbusd wants one unsigned side: the weights' sign bit is flipped
+// (w + 128, one xor per 64 weights), and the 128 * sum(xq) this adds is subtracted by starting
+// each lane's sum at -128 * (the sum of its 4 xq), computed once per call.
+struct QuantizedX8 {
+  std::vector<int8_t> q;         // [m][k]
+  std::vector<float> dx_lanes;   // [m][k / 64][16]: lanes 0-7 the dx of group 2p, 8-15 of group 2p+1
+  std::vector<int32_t> offsets;  // [m][k / 64][16]: -128 * the sum of each lane's 4 codes
+};
+
+template <typename T>
+QuantizedX8 quantize_x8(const T* x, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  QuantizedX8 qx{std::vector<int8_t>(m * k), std::vector<float>(m * groups * 8), std::vector<int32_t>(m * k / 4)};
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      int8_t* q = qx.q.data() + i * k + g * kGroup;
+      float dx;
+      quantize_group(x + i * k + g * kGroup, q, dx);
+      for (int l = 0; l < 8; ++l) {
+        qx.dx_lanes[(i * groups + g) * 8 + l] = dx;
+        qx.offsets[(i * groups + g) * 8 + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+      }
+    }
+  return qx;
+}
+
+template <int R, int MX>
+inline void int8_vnni_block(const Int8Rows& rows, int64_t n0, const QuantizedX8& qx, int64_t i0, int64_t k,
+                            float out[R][kXBlock]) {
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][MX];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 64) {
+    for (int r = 0; r < R; ++r) __builtin_prefetch(rows.addr(n0 + r + kPrefetchRows, j));
+    for (int r = 0; r < R; ++r) {
+      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(rows.w + (n0 + r) * k + j), sign);
+      for (int i = 0; i < MX; ++i) {
+        const int64_t at = (i0 + i) * k + j;
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(qx.offsets.data() + at / 4), wu,
+                                                _mm512_loadu_si512(qx.q.data() + at));
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(qx.dx_lanes.data() + at / 4), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) out[r][i] = _mm512_reduce_add_ps(acc[r][i]) * rows.scale[n0 + r];
 }
 
 template <int R, int MX>
@@ -333,25 +392,18 @@ inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& 
   }
 }
 
-template <typename T>
-void run_int4_vnni(const torch::Tensor& x, const Int4Rows& rows, int64_t n_out, torch::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1);
-  const QuantizedX qx = quantize_x(x.data_ptr<T>(), m, k);
-  T* y = out.data_ptr<T>();
-  constexpr int64_t R = Int4Rows::kBlockRows;
+// Rows of W in blocks of Rows::kBlockRows, each dotted with the quantized rows of x (kXBlock at a time).
+template <typename T, typename Rows, typename QX, typename Block>
+void run_vnni(const Rows& rows, const QX& qx, int64_t m, int64_t k, int64_t n_out, T* y, Block block_dot_fn) {
+  constexpr int64_t R = Rows::kBlockRows;
   auto block = [&](auto r_const, int64_t n0) {
     constexpr int RR = decltype(r_const)::value;
     for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
       float part[RR][kXBlock];
-      switch (std::min<int64_t>(kXBlock, m - i0)) {
-        case 1: int4_vnni_block<RR, 1>(rows, n0, qx, i0, k, part); break;
-        case 2: int4_vnni_block<RR, 2>(rows, n0, qx, i0, k, part); break;
-        case 3: int4_vnni_block<RR, 3>(rows, n0, qx, i0, k, part); break;
-        default: int4_vnni_block<RR, kXBlock>(rows, n0, qx, i0, k, part);
-      }
+      const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
+      block_dot_fn(r_const, mx, rows, n0, qx, i0, k, part);
       for (int r = 0; r < RR; ++r)
-        for (int64_t i = 0; i < std::min<int64_t>(kXBlock, m - i0); ++i)
-          y[(i0 + i) * n_out + n0 + r] = static_cast<T>(part[r][i]);
+        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<T>(part[r][i]);
     }
   };
   const int64_t blocks = n_out / R;
@@ -360,6 +412,19 @@ void run_int4_vnni(const torch::Tensor& x, const Int4Rows& rows, int64_t n_out, 
   });
   for (int64_t n = blocks * R; n < n_out; ++n) block(std::integral_constant<int, 1>{}, n);
 }
+
+// Calls BLOCK<R, MX>(...) with MX (rows of x in this block, 1..kXBlock) as a template argument.
+#define LOOM_VNNI_BLOCK(BLOCK)                                                                        \
+  [](auto r_const, int64_t mx, const auto& rows, int64_t n0, const auto& qx, int64_t i0, int64_t k,  \
+     float(*part)[kXBlock]) {                                                                       \
+    constexpr int RR = decltype(r_const)::value;                                                    \
+    switch (mx) {                                                                                   \
+      case 1: BLOCK<RR, 1>(rows, n0, qx, i0, k, part); break;                                       \
+      case 2: BLOCK<RR, 2>(rows, n0, qx, i0, k, part); break;                                       \
+      case 3: BLOCK<RR, 3>(rows, n0, qx, i0, k, part); break;                                       \
+      default: BLOCK<RR, kXBlock>(rows, n0, qx, i0, k, part);                                       \
+    }                                                                                               \
+  }
 #endif
 
 #if defined(__AVX512BF16__)
@@ -452,7 +517,18 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && w.size(1) == x.size(1), "w must be int8 [N, K]");
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0),
               "scale must be float32 [N]");
-  return dispatch(x, Int8Rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)}, w.size(0));
+  const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t k = x.size(1), n = w.size(0);
+  if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0) {
+    auto xc = x.contiguous();
+    auto out = torch::empty({xc.size(0), n}, xc.options());
+    const QuantizedX8 qx = quantize_x8(xc.data_ptr<at::BFloat16>(), xc.size(0), k);
+    run_vnni(rows, qx, xc.size(0), k, n, out.data_ptr<at::BFloat16>(), LOOM_VNNI_BLOCK(int8_vnni_block));
+    return out;
+  }
+#endif
+  return dispatch(x, rows, w.size(0));
 }
 
 // Whether bfloat16 x bfloat16 linears use vdpbf16ps (AVX512-BF16 builds).
@@ -464,8 +540,8 @@ bool dense_bf16_dot() {
 #endif
 }
 
-// Whether linear_int4 quantizes bfloat16 activations to int8 per group of 32 (VNNI builds).
-bool int4_int8_activations() {
+// Whether linear_int4 and linear_int8 quantize bfloat16 activations to int8 per group of 32 (VNNI builds).
+bool quantized_int8_activations() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return true;
 #else
@@ -486,7 +562,8 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0) {
     auto xc = x.contiguous();
     auto out = torch::empty({xc.size(0), n}, xc.options());
-    run_int4_vnni<at::BFloat16>(xc, rows, n, out);
+    const QuantizedX qx = quantize_x(xc.data_ptr<at::BFloat16>(), xc.size(0), k);
+    run_vnni(rows, qx, xc.size(0), k, n, out.data_ptr<at::BFloat16>(), LOOM_VNNI_BLOCK(int4_vnni_block));
     return out;
   }
 #endif
