@@ -1,7 +1,8 @@
 """Greedy agreement of the weight-only quantized paths with the unquantized one.
 
 Runs the same chat prompts greedily (--max-tokens each, EOS honoured) through loom's `Engine`
-with `--quantization none`, then each scheme in --schemes, and reports per scheme: how many
+with `--quantization none`, then each scheme in --schemes (and, with --compare-dtype, the
+unquantized model in another dtype, for scale), and reports per side: how many
 completions are identical to the unquantized one, and the mean share of each completion that
 matches it token for token before the first difference.
 
@@ -50,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schemes", default="int8,int4", help="comma list of quantization schemes (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--compare-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="also compare the unquantized model in this dtype, for scale: how much a dtype "
+                        "change alone moves greedy outputs")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
@@ -90,7 +94,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         r = agreement(reference, outs)
         results[scheme] = r
         rows.append([scheme, f"{r['identical']}/{r['completions']}", f"{100 * r['mean_matching_prefix']:.1f}%"])
-    print(f"{len(PROMPTS)} chat prompts, greedy, up to {args.max_tokens} tokens, activations {dtype}")
+    if args.compare_dtype:
+        outs, _ = completions("none", args.compare_dtype, args.max_tokens)
+        r = agreement(reference, outs)
+        results[f"none, {args.compare_dtype}"] = r
+        rows.append([f"none, {args.compare_dtype}", f"{r['identical']}/{r['completions']}",
+                     f"{100 * r['mean_matching_prefix']:.1f}%"])
+    print(f"{len(PROMPTS)} chat prompts, greedy, up to {args.max_tokens} tokens, reference: unquantized {dtype}")
     print(format_table(["scheme", "identical completions", "mean matching prefix"], rows))
     result = {"benchmark": "bench_quant_agreement", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "cpu": cpu, "dtype": dtype, "max_tokens": args.max_tokens, "prompts": PROMPTS,
