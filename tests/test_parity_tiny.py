@@ -95,6 +95,45 @@ def test_last_position_logits_match(tiny):
             assert ref.std() > 0.5, "logits too flat for greedy parity to mean anything"
 
 
+def test_layer_stack_matches_the_per_layer_path(tiny):
+    """Decode steps through the compiled layer stack give the logits of the per-layer Python path."""
+    runner, model = tiny.runner, tiny.runner.model
+    if model.layer_stack is None:
+        pytest.skip("no layer stack: torch backend, or per-head q/k norms")
+
+    def decode_logits() -> list[torch.Tensor]:
+        captured, stack_calls = [], []
+        run_layers = runner.attn.run_layers
+
+        def counted(*args, **kwargs):
+            stack_calls.append(1)
+            return run_layers(*args, **kwargs)
+
+        def capture(*args, **kwargs):
+            logits = model(*args, **kwargs)
+            captured.append(logits.detach().clone())
+            return logits
+
+        runner.model, runner.attn.run_layers = capture, counted
+        try:
+            generate_greedy(runner, tiny.prompts, max_new_tokens=4, together=True)
+        finally:
+            runner.model = model
+            del runner.attn.run_layers
+        return captured, len(stack_calls)
+
+    with_stack, calls = decode_logits()
+    assert calls >= 3  # the decode steps went through the stack
+    stack, model.layer_stack = model.layer_stack, None
+    try:
+        per_layer, calls = decode_logits()
+    finally:
+        model.layer_stack = stack
+    assert calls == 0 and len(per_layer) == len(with_stack)
+    for a, b in zip(with_stack, per_layer):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_greedy_matches_hf_one_at_a_time(tiny):
     mine = generate_greedy(tiny.runner, tiny.prompts, NEW_TOKENS, together=False)
     for i, (m, ref) in enumerate(zip(mine, tiny.hf_out)):
