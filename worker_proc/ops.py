@@ -67,8 +67,8 @@ class Ops:
         return x.shape[0] <= (self.small_m_rows if rows is None else rows) and x.shape[1] % _VEC == 0
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        bf16 = x.dtype == weight.dtype == torch.bfloat16
-        if x.dtype == weight.dtype and (self._small(x) or (bf16 and self._small(x, self.dense_bf16_rows))):
+        rows = self.dense_bf16_rows if x.dtype == torch.bfloat16 else self.small_m_rows  # >= small_m_rows
+        if x.dtype == weight.dtype and self._small(x, rows):
             y = self.kernels.linear_dense(x, weight)
             return y if bias is None else y.add_(bias)
         return F.linear(x, weight, bias)

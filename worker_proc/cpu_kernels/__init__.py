@@ -12,7 +12,7 @@ from pathlib import Path
 log = logging.getLogger("loom.kernels")
 _SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "paged_attention.cpp", "small_m_linear.cpp",
                                                     "fused_ops.cpp", "layer_stack.cpp")]
-_HEADERS = [Path(__file__).with_name("vec_math.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "kernels.h")]
 _module = None
 _failed = False
 

@@ -2,23 +2,12 @@
 // is one of loom's kernels, as in the Python model (worker_proc/models/llama.py), but the ~10 ops
 // of each of 30 layers no longer pay a Python call and dispatch each: at batch 1 that glue costs
 // as much as a quarter of the step.
-#include <torch/extension.h>
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
-                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
-                              double scale);
-torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
-torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor x);
-void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
-           int64_t head_dim);
+#include "kernels.h"
 
 namespace {
 

@@ -517,6 +517,7 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
       }
     }
     // each decode row: its parts' sums, rescaled to their common max, then normalised
+    std::vector<float> acc(D);
 #pragma omp for schedule(static)
     for (size_t r = 0; r < decode_rows.size(); ++r) {
       const DecodeRow& dr = decode_rows[r];
@@ -525,7 +526,7 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t k = 0; k < dr.num_parts; ++k)
           top = std::max(top, partial_at(partials.data(), dr.first_partial + k, H, D)[h * (D + 2) + D]);
-        std::vector<float> acc(D, 0.f);
+        std::fill(acc.begin(), acc.end(), 0.f);
         float sum = 0.f;
         for (int64_t k = 0; k < dr.num_parts; ++k) {
           const float* part = partial_at(partials.data(), dr.first_partial + k, H, D) + h * (D + 2);

@@ -392,9 +392,16 @@ inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& 
   }
 }
 
-// Rows of W in blocks of Rows::kBlockRows, each dotted with the quantized rows of x (kXBlock at a time).
-template <typename T, typename Rows, typename QX, typename Block>
-void run_vnni(const Rows& rows, const QX& qx, int64_t m, int64_t k, int64_t n_out, T* y, Block block_dot_fn) {
+// y = x @ W.T for bfloat16 x [M, K]: x quantized once by `quantize`, then rows of W in blocks of
+// Rows::kBlockRows, each dotted with the quantized rows of x (kXBlock at a time) by `block_dot_fn`.
+template <typename Rows, typename Quantize, typename Block>
+torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n_out, Quantize quantize,
+                          Block block_dot_fn) {
+  const auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  const auto qx = quantize(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = torch::empty({m, n_out}, x.options());
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
   constexpr int64_t R = Rows::kBlockRows;
   auto block = [&](auto r_const, int64_t n0) {
     constexpr int RR = decltype(r_const)::value;
@@ -403,7 +410,7 @@ void run_vnni(const Rows& rows, const QX& qx, int64_t m, int64_t k, int64_t n_ou
       const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
       block_dot_fn(r_const, mx, rows, n0, qx, i0, k, part);
       for (int r = 0; r < RR; ++r)
-        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<T>(part[r][i]);
+        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<at::BFloat16>(part[r][i]);
     }
   };
   const int64_t blocks = n_out / R;
@@ -411,6 +418,7 @@ void run_vnni(const Rows& rows, const QX& qx, int64_t m, int64_t k, int64_t n_ou
     for (int64_t b = begin; b < end; ++b) block(std::integral_constant<int, R>{}, b * R);
   });
   for (int64_t n = blocks * R; n < n_out; ++n) block(std::integral_constant<int, 1>{}, n);
+  return out;
 }
 
 // Calls BLOCK<R, MX>(...) with MX (rows of x in this block, 1..kXBlock) as a template argument.
@@ -519,14 +527,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
               "scale must be float32 [N]");
   const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const int64_t k = x.size(1), n = w.size(0);
-  if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0) {
-    auto xc = x.contiguous();
-    auto out = torch::empty({xc.size(0), n}, xc.options());
-    const QuantizedX8 qx = quantize_x8(xc.data_ptr<at::BFloat16>(), xc.size(0), k);
-    run_vnni(rows, qx, xc.size(0), k, n, out.data_ptr<at::BFloat16>(), LOOM_VNNI_BLOCK(int8_vnni_block));
-    return out;
-  }
+  if (x.scalar_type() == torch::kBFloat16 && x.size(1) % (2 * kGroup) == 0)
+    return vnni_linear(x, rows, w.size(0), quantize_x8<at::BFloat16>, LOOM_VNNI_BLOCK(int8_vnni_block));
 #endif
   return dispatch(x, rows, w.size(0));
 }
@@ -559,13 +561,8 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
               "scale/min must be float16 [N, K/32]");
   const Int4Rows rows{w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), minimum.data_ptr<at::Half>(), k};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0) {
-    auto xc = x.contiguous();
-    auto out = torch::empty({xc.size(0), n}, xc.options());
-    const QuantizedX qx = quantize_x(xc.data_ptr<at::BFloat16>(), xc.size(0), k);
-    run_vnni(rows, qx, xc.size(0), k, n, out.data_ptr<at::BFloat16>(), LOOM_VNNI_BLOCK(int4_vnni_block));
-    return out;
-  }
+  if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0)
+    return vnni_linear(x, rows, n, quantize_x<at::BFloat16>, LOOM_VNNI_BLOCK(int4_vnni_block));
 #endif
   return dispatch(x, rows, n);
 }

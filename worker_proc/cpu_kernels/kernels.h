@@ -1,0 +1,22 @@
+// The kernels' entry points, each defined in its own file: what bindings.cpp exposes to Python
+// and what layer_stack.cpp calls directly.
+#pragma once
+#include <torch/extension.h>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
+                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
+                              double scale);
+torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
+bool quantized_int8_activations();
+bool dense_bf16_dot();
+torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype);
+torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor x);
+void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+           int64_t head_dim);
+
+void bind_layer_stack(pybind11::module_& m);
