@@ -33,6 +33,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def uses_token_history(self) -> bool:
+        """Penalties that read the prompt and output tokens so far."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
 
 class FinishReason(msgspec.Struct, omit_defaults=True):
     type: str  # "length" | "stop" | "abort"
@@ -94,6 +99,9 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     # (src req slot, dst req slot, n): after this step's KV writes, dst's first n tokens are src's
     # (a request that shares another's prefill; its sample entry points at src's row).
     forks: list[tuple[int, int, int]] = []
+    # Some request in the batch (or parked behind one, to share its prefill) has penalties that
+    # read its token history: the worker records the rows' tokens. Off, it skips that work.
+    track_tokens: bool = True
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -60,4 +60,9 @@ class ScheduleBatch:
             sampling=[r.req.sampling for _, r in sampling_rows],
             output_lens=[len(r.req.output_ids) for _, r in sampling_rows],
             forks=list(self.forks),
+            track_tokens=any(_uses_token_history(r.req) for r in self.rows),
         )
+
+
+def _uses_token_history(req: Req) -> bool:
+    return req.sampling.uses_token_history or any(f.sampling.uses_token_history for f in req.followers)

@@ -169,3 +169,14 @@ def test_dequantize_kernels_match_torch(kernel, dtype):
     torch.testing.assert_close(kernel.dequantize_int8(q8, s8, dtype), dequantize_int8(q8, s8, dtype))
     q4, s4, m4 = quantize_int4(w)
     torch.testing.assert_close(kernel.dequantize_int4(q4, s4, m4, dtype), dequantize_int4(q4, s4, m4, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch(kernel, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(7, 3001).to(dtype)
+    x[1, 5] = x[1, 2900] = 100.0  # a tie: the first index wins
+    x[2] = float("-inf")
+    x[3, 3000] = 50.0  # in the last, partial chunk
+    x[4, 1024:2048] = 75.0  # a run of equal maxima starting at a chunk boundary
+    assert torch.equal(kernel.argmax_rows(x), torch.argmax(x, dim=-1))

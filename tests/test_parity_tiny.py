@@ -103,23 +103,23 @@ def test_layer_stack_matches_the_per_layer_path(tiny):
 
     def decode_logits() -> list[torch.Tensor]:
         captured, stack_calls = [], []
-        run_layers = runner.attn.run_layers
+        run_model = runner.attn.run_model
 
         def counted(*args, **kwargs):
             stack_calls.append(1)
-            return run_layers(*args, **kwargs)
+            return run_model(*args, **kwargs)
 
         def capture(*args, **kwargs):
             logits = model(*args, **kwargs)
             captured.append(logits.detach().clone())
             return logits
 
-        runner.model, runner.attn.run_layers = capture, counted
+        runner.model, runner.attn.run_model = capture, counted
         try:
             generate_greedy(runner, tiny.prompts, max_new_tokens=4, together=True)
         finally:
             runner.model = model
-            del runner.attn.run_layers
+            del runner.attn.run_model
         return captured, len(stack_calls)
 
     with_stack, calls = decode_logits()

@@ -82,3 +82,43 @@ def test_forked_choices_see_exact_penalty_state_and_match_lone_runs(tmp_path):
     alone = [run([Req("lone", list(prompt), params(s))])[1][0] for s in seeds]
     assert together == alone
     assert len({tuple(o) for o in together[1:]}) > 1  # seeded choices differ
+
+
+def test_token_history_is_recorded_only_where_penalties_read_it(tmp_path):
+    """Batches whose requests have no history penalties skip the bookkeeping; with a penalty
+    request among them (or parked behind a leader to share its prefill) every row is recorded,
+    so its state stays exact."""
+    ckpt = build_tiny_checkpoint("llama", tmp_path / "llama", seed=0)
+    runner = ModelRunner(RunnerConfig(str(ckpt), torch.float32, kv_cache_gb=0.01, max_running_requests=4))
+    rng = np.random.default_rng(2)
+    plain = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(max_new_tokens=8, temperature=0.0, presence_penalty=0.7, ignore_eos=True)
+
+    def run(reqs: list[Req]) -> list[tuple[bool, set[str]]]:
+        """Per step: the batch's track_tokens flag and the requests it computes."""
+        core = SchedulerCore(SchedulerConfig(max_total_tokens=400, max_running_requests=4, max_prefill_tokens=16,
+                                             chunked_prefill_size=16, max_context_len=256))
+        for r in reqs:
+            core.add_request(r)
+        flags = []
+        while core.waiting or core.running:
+            batch, _ = core.next_batch()
+            wire = batch.to_worker_batch()
+            flags.append((wire.track_tokens, {r.req.rid for r in batch.rows if r.extend_len}))
+            ids = runner.forward(wire)
+            for row in batch.rows:
+                if row.samples and row.req.sampling.uses_token_history:
+                    expected = np.bincount(np.asarray(row.req.output_ids, dtype=np.int64), minlength=1000)
+                    assert np.array_equal(runner.output_counts.counts[row.req.req_pool_idx].numpy(), expected)
+            core.on_result(batch, ids)
+        return flags
+
+    prompts = [rng.integers(0, 1000, 20 + 3 * i).tolist() for i in range(3)]
+    assert not any(flag for flag, _ in run([Req(f"p{i}", p, plain) for i, p in enumerate(prompts)]))
+    steps = run([Req("a", prompts[0], plain), Req("b", prompts[1], penalised)])
+    assert all(flag == ("b" in rids) for flag, rids in steps) and any(flag for flag, _ in steps)
+    # a penalised follower parked behind a plain leader: the leader's chunks are recorded too
+    shared = rng.integers(0, 1000, 40).tolist()
+    steps = run([Req("lead", list(shared), plain, prefill_group="g"),
+                 Req("follow", list(shared), penalised, prefill_group="g")])
+    assert steps[0] == (True, {"lead"}) and all(flag for flag, _ in steps)

@@ -48,12 +48,12 @@ class PagedKernelAttention:
         return self.kernels.paged_attention(q.contiguous(), self.pool.kv[layer_id], self.pool.req_to_token,
                                             *self.rows, self.scale)
 
-    def run_layers(self, stack, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer in one compiled call (cpu_kernels/layer_stack.cpp), attending as
-        forward() does. Returns the last layer's output and the residual stream."""
-        return stack.forward(x, positions, cos, sin, self.pool.kv, self.out_cache_loc, self.pool.req_to_token,
-                             *self.rows, self.scale)
+    def run_model(self, stack, input_ids: torch.Tensor, logit_rows: torch.Tensor, positions: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The whole model in one compiled call (cpu_kernels/layer_stack.cpp), attending as
+        forward() does: logits of the token rows in logit_rows."""
+        return stack.forward(input_ids, logit_rows, positions, cos, sin, self.pool.kv, self.out_cache_loc,
+                             self.pool.req_to_token, *self.rows, self.scale)
 
 
 class TorchAttention:

@@ -15,6 +15,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64
+    slots: np.ndarray  # the same, int32
     logit_rows: torch.Tensor  # token rows whose logits are sampled
     # single-token rows (decodes) attend in one batched call
     decode_tokens: torch.Tensor  # [D] token rows
@@ -48,6 +49,7 @@ class ForwardBatch:
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             positions=torch.from_numpy(positions),
             out_cache_loc=torch.from_numpy(loc.astype(np.int64)),
+            slots=loc,
             logit_rows=torch.from_numpy(logit_rows),
             decode_tokens=torch.from_numpy(decode_tokens),
             decode_reqs=torch.from_numpy(reqs[single]),

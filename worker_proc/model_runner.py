@@ -89,6 +89,8 @@ class ModelRunner:
             self.attn = PagedKernelAttention(self.pool, self.config.head_dim, kernels)
         else:
             self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim)
+        # Greedy rows need only the index of each row's largest logit.
+        self.argmax = kernels.argmax_rows if kernels is not None else lambda logits: logits.float().argmax(dim=-1)
         self.eos_token_ids = tuple(rc.eos_token_ids) or self.config.eos_token_ids
         # Per request slot: output token counts and prompt tokens, for the penalties.
         self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)
@@ -102,17 +104,20 @@ class ModelRunner:
     def forward_with_logprobs(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sampled ids (one per sample row) and, when any row asked, their logprobs."""
         fb = ForwardBatch.from_worker_batch(batch)
-        self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.out_cache_loc)
+        self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
         self.attn.prepare(fb)
-        self._record_tokens(fb, batch.prompt_lens)
+        if batch.track_tokens:
+            self._record_tokens(fb, batch.prompt_lens)
         if batch.forks:
             self._apply_forks(batch.forks)
-        raw = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
+        model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
         if not batch.sampling:
             return [], []
-        pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, raw.device,
+        pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
                                 self.eos_token_ids)
-        logits = raw
+        if pb.is_noop and pb.top_logprobs is None and all(p.is_greedy for p in batch.sampling):
+            return self.argmax(model_logits).tolist(), []
+        raw = logits = model_logits.float()
         if not pb.is_noop:
             # A forked request's entry reads its leader's row; their penalty state is the same
             # at the fork (same prompt, no output yet).

@@ -15,5 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place), then RMSNorm of residual");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] row");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (greedy sampling)");
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of each row");
 }

@@ -118,6 +118,33 @@ void rope_rows(T* qkv, const int64_t* positions, const float* cos, const float* 
   });
 }
 
+// Index of the first largest value of each row (greedy sampling): a vectorised max over the
+// row, then the first position holding it. torch's argmax walks the row element by element
+// (~1 ns each: 3 ms for 64 rows of a 49152-token vocabulary). NaNs are skipped.
+template <typename T>
+void argmax_rows_impl(const T* x, int64_t* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    constexpr int64_t kChunk = 1024;
+    float buf[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * n;
+      float best = -INFINITY;
+      int64_t best_chunk = 0;
+      for (int64_t c = 0; c < n; c += kChunk) {
+        const int64_t len = std::min(kChunk, n - c);
+        widen(row + c, buf, len);
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < len; ++i) m = __builtin_fmaxf(m, buf[i]);
+        if (m > best) best = m, best_chunk = c;
+      }
+      int64_t at = best_chunk;
+      while (at < n - 1 && !(static_cast<float>(row[at]) == best)) ++at;
+      out[r] = at;
+    }
+  });
+}
+
 #define LOOM_DISPATCH(dtype, NAME, ...)                                                        \
   if (dtype == torch::kFloat32) { using scalar_t = float; __VA_ARGS__(); }                     \
   else if (dtype == torch::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); }         \
@@ -175,4 +202,14 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
     rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
                         sin.data_ptr<float>(), qkv.size(0), qkv.stride(0), heads, head_dim);
   });
+}
+
+// [B, V] -> int64 [B]: the first index of each row's largest value (as torch.argmax, NaNs aside).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0, "argmax_rows: contiguous [B, V] expected");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  LOOM_DISPATCH(x.scalar_type(), "argmax_rows", [&] {
+    argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
+  });
+  return out;
 }

@@ -19,4 +19,6 @@ torch::Tensor silu_mul(torch::Tensor x);
 void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
            int64_t head_dim);
 
+torch::Tensor argmax_rows(torch::Tensor x);
+
 void bind_layer_stack(pybind11::module_& m);

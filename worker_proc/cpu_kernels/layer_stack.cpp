@@ -1,7 +1,8 @@
-// The decoder layers of a small step (a few token rows: decodes) in one call from Python. Each op
-// is one of loom's kernels, as in the Python model (worker_proc/models/llama.py), but the ~10 ops
-// of each of 30 layers no longer pay a Python call and dispatch each: at batch 1 that glue costs
-// as much as a quarter of the step.
+// A small step (a few token rows: decodes) from token ids to logits in one call from Python:
+// embedding, the decoder layers, final norm and LM head. Each op is one of loom's kernels, as in
+// the Python model (worker_proc/models/llama.py), but the ~10 ops of each of 30 layers no longer
+// pay a Python call and dispatch each: at batch 1 that glue costs as much as a quarter of the
+// step (and every Python op after the weights streamed through the caches runs cold).
 
 #include <optional>
 #include <tuple>
@@ -49,20 +50,26 @@ class LayerStack {
   LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {}
 
+  void set_head(torch::Tensor embedding, torch::Tensor final_norm, const LinearSpec& lm_head) {
+    embedding_ = embedding;
+    final_norm_ = final_norm;
+    lm_head_ = from_spec(lm_head);
+  }
+
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
                  const LinearSpec& gate_up, const LinearSpec& down) {
     layers_.push_back({input_norm, post_norm, from_spec(qkv), from_spec(o), from_spec(gate_up), from_spec(down)});
   }
 
-  // x: embeddings [T, hidden]. Writes each layer's K/V to its pool tensor at out_cache_loc and
-  // attends as worker_proc/attention.py's PagedKernelAttention. Returns the last layer's output
-  // and the residual stream (the final norm adds them).
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
-                                                   torch::Tensor sin, const std::vector<torch::Tensor>& kv,
-                                                   torch::Tensor out_cache_loc, torch::Tensor req_to_token,
-                                                   torch::Tensor req_idx, torch::Tensor token_starts,
-                                                   torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
+  // Logits (the model dtype) of the token rows in logit_rows. Writes each layer's K/V to its pool
+  // tensor at out_cache_loc and attends as worker_proc/attention.py's PagedKernelAttention.
+  torch::Tensor forward(torch::Tensor input_ids, torch::Tensor logit_rows, torch::Tensor positions,
+                        torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& kv,
+                        torch::Tensor out_cache_loc, torch::Tensor req_to_token, torch::Tensor req_idx,
+                        torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
     TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
+    TORCH_CHECK(embedding_.defined(), "set_head first");
+    torch::Tensor x = embedding_.index_select(0, input_ids);
     const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -83,18 +90,21 @@ class LayerStack {
       h = add_rms_norm(layer.o(attn.view({t, q_size})), residual, layer.post_norm, eps_);
       x = layer.down(silu_mul(layer.gate_up(h)));
     }
-    return {x, residual};
+    return lm_head_(add_rms_norm(x.index_select(0, logit_rows), residual.index_select(0, logit_rows), final_norm_, eps_));
   }
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
   std::vector<Layer> layers_;
+  torch::Tensor embedding_, final_norm_;
+  LinearWeights lm_head_;
 };
 
 void bind_layer_stack(pybind11::module_& m) {
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
+      .def("set_head", &LayerStack::set_head)
       .def("add_layer", &LayerStack::add_layer)
       .def("forward", &LayerStack::forward);
 }

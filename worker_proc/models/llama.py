@@ -145,27 +145,27 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, logit_rows: torch.Tensor
     ) -> torch.Tensor:
-        """Returns logits (float32) only for the token rows in `logit_rows`."""
+        """Logits, in the model's dtype, of the token rows in `logit_rows`."""
+        run_model = getattr(attn, "run_model", None)
+        if self.layer_stack is not None and run_model is not None and len(input_ids) <= self.layer_stack_rows:
+            return run_model(self.layer_stack, input_ids, logit_rows, positions, self.rotary.cos, self.rotary.sin)
         x, residual = self.embed_tokens(input_ids), None
-        run_layers = getattr(attn, "run_layers", None)
-        if self.layer_stack is not None and run_layers is not None and len(input_ids) <= self.layer_stack_rows:
-            x, residual = run_layers(self.layer_stack, x, positions, self.rotary.cos, self.rotary.sin)
-        else:
-            for layer in self.layers:
-                x, residual = layer(x, residual, positions, self.rotary, attn)
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.rotary, attn)
         h, _ = self.ops.add_rms_norm(x[logit_rows], residual[logit_rows], self.norm.weight, self.norm.eps)
-        return self.lm_head(h).float()
+        return self.lm_head(h)
 
     def build_layer_stack(self) -> bool:
-        """Hands the decoder layers' weights to the compiled layer stack, which then runs small
-        steps in one call: up to as many tokens as its linears take the small-M kernel (more for
-        unquantized bfloat16). Call after any weight change (loading, quantization). Models with
-        per-head q/k norms keep the Python path."""
+        """Hands the weights to the compiled layer stack, which then runs small steps from token
+        ids to logits in one call: up to as many tokens as its linears take the small-M kernel
+        (more for unquantized bfloat16). Call after any weight change (loading, quantization).
+        Models with per-head q/k norms keep the Python path."""
         kernels = self.ops.kernels
         if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0:
             return False
         c = self.config
         stack = kernels.LayerStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        stack.set_head(self.embed_tokens.weight, self.norm.weight, self.lm_head.kernel_spec())
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -173,7 +173,7 @@ class CausalLM(nn.Module):
                             mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec())
         self.layer_stack = stack
         dense_bf16 = all(isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16
-                         for layer in self.layers for mod in layer.modules() if hasattr(mod, "kernel_spec"))
+                         for mod in self.modules() if hasattr(mod, "kernel_spec"))
         self.layer_stack_rows = self.ops.dense_bf16_rows if dense_bf16 else self.ops.small_m_rows
         return True
 
