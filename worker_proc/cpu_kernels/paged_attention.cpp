@@ -27,27 +27,10 @@ namespace {
 
 using loom::vf;
 using loom::vi;
+using loom::load16;
+using loom::splat;
 constexpr int kLanes = 16;
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
 
-inline vf load16(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vf load16(const c10::BFloat16* p) {  // bf16 is the high half of a float
-#ifdef __AVX512F__
-  // one widening load (GCC splits the generic form into two 256-bit halves)
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return reinterpret_cast<vf>(_mm512_slli_epi32(w, 16));
-#else
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
-#endif
-}
-inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
 // out[i] = the sum of the lanes of v[i], for 16 vectors: three rounds of pairwise shuffles and
 // adds (about three operations per sum instead of a horizontal reduction per vector).

@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
 
 namespace loom {
 
@@ -34,6 +38,27 @@ inline float vexp(float x) {
 // 16 floats: GCC vector types, compiled to AVX-512, or to pairs of AVX2 registers.
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
+
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+inline vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf load16(const c10::BFloat16* p) {  // bf16 is the high half of a float
+#ifdef __AVX512F__
+  // one widening load (GCC splits the generic form into two 256-bit halves)
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<vf>(_mm512_slli_epi32(w, 16));
+#else
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
 // vexp on 16 lanes (the same steps; written on vectors where the loop form does not vectorise).
 inline vf vexp16(vf x) {
