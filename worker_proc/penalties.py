@@ -40,7 +40,8 @@ Per-request state lives in slot-indexed tables (slot = ``req_pool_indices`` entr
   ``reset(slots)`` when a request (re)starts in a slot, ``add(slots, tokens)`` for the tokens it
   is fed, ``gather(slots)`` -> ``[B, V]``. The model runner feeds them from each step's input
   tokens (prompt positions to the mask, output positions to the counts), so a re-prefill after a
-  retraction rebuilds both. A request forked from another's prefill computes no prompt tokens:
+  retraction rebuilds both; it skips steps where no request reads them
+  (``ModelWorkerBatch.track_tokens``). A request forked from another's prefill computes no prompt tokens:
   its mask row is copied (``PromptTokenMask.copy_rows``) and its counts reset.
 
 SamplingParams fields are read with ``getattr(p, name, default)``, so this module works whether
