@@ -195,11 +195,13 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
 }
 
 constexpr int kMaxHeads = 32;
-constexpr int64_t kDecodeAhead = 4;  // slots fetched ahead by the decode path (whole slots: K and V of every head)
+constexpr int64_t kDecodeAhead = 8;  // slots fetched ahead by the decode path (whole slots: K and V of every head)
 constexpr int64_t kMinDecodePart = 64;  // cached tokens per part, at least, when a decode row is split
 
+// Into L2 (prefetcht1), 8 slots ahead: fetching into L1 ran out of L1 miss buffers (a slot is 12
+// lines); batch 64 decode attention went from ~32 to ~21 ms a step on Zen 4.
 inline void prefetch_slot(const void* slot, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(slot) + off);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(slot) + off, 0, 2);
 }
 
 inline float lane_max(vf v) {
