@@ -257,6 +257,24 @@ void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor&
   for (int64_t n = blocks * R; n < n_out; ++n) rows_block<1>(rows, n, xf.data(), xsum.data(), m, k, y, n_out);
 }
 
+// Calls row_block(R, n0) for every row of W, split over the threads: rows one at a time while x
+// has at most kStreamRows rows (the weight stream is the limit), else in blocks of R rows (sharing
+// each load of x), the last n_out % R rows one at a time. R arrives as std::integral_constant.
+template <int R, typename RowBlock>
+void for_row_blocks(int64_t m, int64_t n_out, RowBlock row_block) {
+  if (m <= kStreamRows) {
+    at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) row_block(std::integral_constant<int, 1>{}, n);
+    });
+    return;
+  }
+  const int64_t blocks = n_out / R;
+  at::parallel_for(0, blocks, 16 / R, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) row_block(std::integral_constant<int, R>{}, b * R);
+  });
+  for (int64_t n = blocks * R; n < n_out; ++n) row_block(std::integral_constant<int, 1>{}, n);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
 // llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
@@ -397,9 +415,9 @@ inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& 
   }
 }
 
-// y = x @ W.T for bfloat16 x [M, K]: x quantized once by `quantize`, then rows of W one at a time
-// (up to kStreamRows rows of x) or in blocks of Rows::kBlockRows, each dotted with the quantized
-// rows of x (kXBlock at a time) by `block_dot_fn`.
+// y = x @ W.T for bfloat16 x [M, K]: x quantized once by `quantize`, then rows of W (see
+// for_row_blocks; blocks of Rows::kBlockRows) dotted with the quantized rows of x, kXBlock at a
+// time, by `block_dot_fn`.
 template <typename Rows, typename Quantize, typename Block>
 torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n_out, Quantize quantize,
                           Block block_dot_fn) {
@@ -408,27 +426,16 @@ torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n
   const auto qx = quantize(x.data_ptr<at::BFloat16>(), m, k);
   auto out = torch::empty({m, n_out}, x.options());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  auto run = [&](auto r_const, int64_t n_begin, int64_t n_end) {
+  for_row_blocks<Rows::kBlockRows>(m, n_out, [&](auto r_const, int64_t n0) {
     constexpr int R = decltype(r_const)::value;
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += R)
-      for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
-        float part[R][kXBlock];
-        const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
-        block_dot_fn(r_const, mx, rows, n0, qx, i0, k, part);
-        for (int r = 0; r < R; ++r)
-          for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<at::BFloat16>(part[r][i]);
-      }
-  };
-  constexpr int64_t R = Rows::kBlockRows;
-  if (m <= kStreamRows) {
-    at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) { run(std::integral_constant<int, 1>{}, begin, end); });
-    return out;
-  }
-  const int64_t blocks = n_out / R;
-  at::parallel_for(0, blocks, 16 / R, [&](int64_t begin, int64_t end) {
-    run(std::integral_constant<int, R>{}, begin * R, end * R);
+    for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
+      float part[R][kXBlock];
+      const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
+      block_dot_fn(r_const, mx, rows, n0, qx, i0, k, part);
+      for (int r = 0; r < R; ++r)
+        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<at::BFloat16>(part[r][i]);
+    }
   });
-  run(std::integral_constant<int, 1>{}, blocks * R, n_out);
   return out;
 }
 
@@ -449,7 +456,7 @@ torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n
 #if defined(__AVX512BF16__)
 // bfloat16 weights and activations on AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs into 16
 // float32 lanes, so neither side is widened and each instruction does twice an FMA's work. Fast
-// enough to beat torch's GEMM up to a few dozen rows (kDenseDotRows).
+// enough to beat torch's GEMM up to a few dozen rows (DENSE_BF16_ROWS in model_runner.py).
 template <int R, int MX>
 inline void dense_dpbf16_block(const uint16_t* w, int64_t n0, const uint16_t* x, int64_t k, float out[R][kXBlock]) {
   __m512 acc[R][MX];
@@ -487,8 +494,8 @@ inline void dense_dpbf16_rows(const uint16_t* w, int64_t n0, const uint16_t* x, 
   }
 }
 
-// Rows of W one at a time up to kStreamRows rows of x (batch 1 reads 30-40 GB/s, where widening
-// bf16 to float32 managed ~23), else blocks of 4 rows of W.
+// Rows of W as for_row_blocks walks them: one at a time, batch 1 reads 30-40 GB/s, where widening
+// bf16 to float32 managed ~23.
 torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor& w) {
   auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
@@ -496,18 +503,9 @@ torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  if (m <= kStreamRows) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) dense_dpbf16_rows<1>(wp, r, xp, m, k, y, n);
-    });
-    return out;
-  }
-  constexpr int64_t R = 4;
-  const int64_t blocks = n / R;
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) dense_dpbf16_rows<R>(wp, b * R, xp, m, k, y, n);
+  for_row_blocks<4>(m, n, [&](auto r_const, int64_t n0) {
+    dense_dpbf16_rows<decltype(r_const)::value>(wp, n0, xp, m, k, y, n);
   });
-  for (int64_t r = blocks * R; r < n; ++r) dense_dpbf16_rows<1>(wp, r, xp, m, k, y, n);
   return out;
 }
 #endif
