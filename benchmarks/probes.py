@@ -60,6 +60,13 @@ def probe_gemm(dtype: str, shape: tuple[int, int, int] = GEMM_SHAPE) -> dict[str
     return {"gflops": 2.0 * m * k * n / seconds / 1e9, "seconds": seconds, "shape_mkn": list(shape)}
 
 
+def zeros_tensor_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    add_repo_to_path()
+    from worker_proc.huge_pages import zeros_tensor_on_huge_pages as allocate
+
+    return allocate(shape, dtype)
+
+
 def load_loom_gemv() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str]:
     """loom's small-M linear kernel and a word on its state. The first call may compile it (about
     a minute); later runs load the cached build."""
@@ -86,7 +93,8 @@ def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.
     torch_dtype = _DTYPES[dtype]
     matrix_bytes = n * k * torch.empty((), dtype=torch_dtype).element_size()
     count = max(2, math.ceil(working_set / matrix_bytes))
-    weights = [torch.empty(n, k, dtype=torch_dtype).uniform_(-1.0, 1.0) for _ in range(count)]
+    # on huge pages, as loom keeps its weights (worker_proc/huge_pages.py): the best this machine streams
+    weights = [zeros_tensor_on_huge_pages((n, k), torch_dtype).uniform_(-1.0, 1.0) for _ in range(count)]
     x = torch.randn(1, k, dtype=torch_dtype)
 
     impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"torch": F.linear}

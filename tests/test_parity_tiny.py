@@ -201,3 +201,20 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     assert len(logits["quantized"]) == len(logits["reference"])
     for a, b in zip(logits["quantized"], logits["reference"]):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+def test_layer_stack_weights_lie_in_step_order(tiny):
+    """build_layer_stack packs the weights into one region in the order a step reads them, and
+    parameters keep their identity (a tied LM head still is the embedding)."""
+    model = tiny.runner.model
+    if model.layer_stack is None:
+        pytest.skip("no layer stack: torch backend, or per-head q/k norms")
+    starts = []
+    for layer in model.layers:
+        for module in (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            starts += [t.data_ptr() for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
+    starts += [model.norm.weight.data_ptr(), model.lm_head.kernel_spec()[0][0].data_ptr()]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert starts[-1] - starts[0] < sum(p.numel() * p.element_size() for p in model.parameters()) + 64 * len(starts)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.embed_tokens.weight

@@ -3,12 +3,10 @@ what they index. Slot 0 is scratch (padding reads land there)."""
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 import torch
 
-_HUGE_PAGE = 2 << 20
+from worker_proc.huge_pages import zeros_tensor_on_huge_pages
 
 
 class KVPool:
@@ -17,7 +15,8 @@ class KVPool:
         # One tensor per layer with K and V side by side, so a gather of a slot fetches both.
         shape = (num_slots + 1, 2, num_kv_heads, head_dim)
         if device == "cpu":
-            whole = _zeros_on_huge_pages((num_layers, *shape), dtype)
+            # huge pages: attention reads slots in scattered order, each a TLB miss with 4 KiB pages
+            whole = zeros_tensor_on_huge_pages((num_layers, *shape), dtype)
             self.kv = list(whole.unbind(0))
         else:
             self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -50,16 +49,3 @@ class KVPool:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in memory the kernel may back with 2 MiB pages (transparent huge pages,
-    asked for with madvise). Attention reads slots in scattered order; with 4 KiB pages nearly
-    every slot read is a TLB miss."""
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # anonymous memory starts zeroed
-    start = -raw.data_ptr() % _HUGE_PAGE  # align to a huge page
-    return raw[start : start + nbytes].view(dtype).view(shape)
