@@ -180,3 +180,17 @@ def test_argmax_rows_matches_torch(kernel, dtype):
     x[3, 3000] = 50.0  # in the last, partial chunk
     x[4, 1024:2048] = 75.0  # a run of equal maxima starting at a chunk boundary
     assert torch.equal(kernel.argmax_rows(x), torch.argmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_take_q_matches_index_copy(kernel, dtype, slot_dtype):
+    q_size, kv_heads, head_dim, rows = 96, 2, 16, 5
+    qkv = torch.randn(rows, q_size + 2 * kv_heads * head_dim).to(dtype)
+    kv, want = torch.zeros(11, 2, kv_heads, head_dim, dtype=dtype), torch.zeros(11, 2, kv_heads, head_dim, dtype=dtype)
+    slots = torch.tensor([3, 7, 1, 10, 4], dtype=slot_dtype)
+    q = kernel.store_kv_take_q(qkv, kv, slots, q_size)
+    want.view(11, -1).index_copy_(0, slots.long(), qkv[:, q_size:])
+    assert torch.equal(kv, want) and torch.equal(q, qkv[:, :q_size]) and q.is_contiguous()
+    with pytest.raises(RuntimeError, match="slot out of the pool"):
+        kernel.store_kv_take_q(qkv, kv, torch.tensor([0, 1, 2, 3, 11], dtype=slot_dtype), q_size)

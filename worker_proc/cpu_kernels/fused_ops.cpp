@@ -204,6 +204,31 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
   });
 }
 
+torch::Tensor store_kv_take_q(torch::Tensor qkv, torch::Tensor kv, torch::Tensor out_cache_loc, int64_t q_size) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "store_kv_take_q: qkv [T, W] rows");
+  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 4 && kv.size(1) == 2 && kv.scalar_type() == qkv.scalar_type(),
+              "store_kv_take_q: contiguous kv [S, 2, KVH, D] of qkv's dtype");
+  const int64_t rows = qkv.size(0), kv_width = kv.stride(0);
+  TORCH_CHECK(qkv.size(1) == q_size + kv_width, "store_kv_take_q: qkv rows are q | k | v");
+  TORCH_CHECK(out_cache_loc.is_contiguous() && out_cache_loc.numel() == rows &&
+                  (out_cache_loc.scalar_type() == torch::kInt64 || out_cache_loc.scalar_type() == torch::kInt32),
+              "store_kv_take_q: one int32/int64 slot per row");
+  auto q = torch::empty({rows, q_size}, qkv.options());
+  const auto* src = static_cast<const char*>(qkv.data_ptr());
+  auto* pool = static_cast<char*>(kv.data_ptr());
+  auto* dst = static_cast<char*>(q.data_ptr());
+  const int64_t elem = qkv.element_size(), row_stride = qkv.stride(0) * elem, slots = kv.size(0);
+  const bool wide = out_cache_loc.scalar_type() == torch::kInt64;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = wide ? out_cache_loc.data_ptr<int64_t>()[r] : out_cache_loc.data_ptr<int32_t>()[r];
+    TORCH_CHECK(slot >= 0 && slot < slots, "store_kv_take_q: slot out of the pool");
+    const char* row = src + r * row_stride;
+    std::memcpy(dst + r * q_size * elem, row, q_size * elem);
+    std::memcpy(pool + slot * kv_width * elem, row + q_size * elem, kv_width * elem);
+  }
+  return q;
+}
+
 // [B, V] -> int64 [B]: the first index of each row's largest value (as torch.argmax, NaNs aside).
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0, "argmax_rows: contiguous [B, V] expected");

@@ -70,8 +70,10 @@ class LayerStack {
     TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
     TORCH_CHECK(embedding_.defined(), "set_head first");
     torch::Tensor x = embedding_.index_select(0, input_ids);
-    const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t t = x.size(0), q_size = num_heads_ * head_dim_;
     torch::Tensor residual;
+    const auto attention = plan_paged_attention(x.new_empty({t, num_heads_, head_dim_}), kv[0], req_to_token, req_idx,
+                                                token_starts, extend_lens, seq_lens, scale);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       torch::Tensor h;
@@ -83,10 +85,8 @@ class LayerStack {
       }
       torch::Tensor qkv = layer.qkv(h);
       rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
-      // K then V of a row is exactly a slot's layout: copy them in one go
-      kv[i].view({kv[i].size(0), -1}).index_copy_(0, out_cache_loc, qkv.narrow(1, q_size, 2 * kv_size));
-      torch::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({t, num_heads_, head_dim_});
-      torch::Tensor attn = paged_attention(q, kv[i], req_to_token, req_idx, token_starts, extend_lens, seq_lens, scale);
+      torch::Tensor q = store_kv_take_q(qkv, kv[i], out_cache_loc, q_size).view({t, num_heads_, head_dim_});
+      torch::Tensor attn = run_paged_attention(*attention, q, kv[i]);
       h = add_rms_norm(layer.o(attn.view({t, q_size})), residual, layer.post_norm, eps_);
       x = layer.down(silu_mul(layer.gate_up(h)));
     }

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "vec_math.h"
@@ -527,34 +528,54 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
 
 }  // namespace
 
+// What every layer's attention of one step shares: the rows' lengths as int64, the problem and
+// the task list. A layer stack plans once per step and runs it against each layer's pool.
+struct PagedAttentionPlan {
+  torch::Tensor req_idx, token_starts, extend_lens, seq_lens;  // int64, kept alive for `problem`
+  Problem problem;
+  std::vector<Task> tasks;
+  std::vector<DecodeRow> decode_rows;
+  int64_t num_tokens, head_dim;
+  at::ScalarType dtype;
+};
+
 // q [N, H, D] (this step's tokens); kv [S, 2, KVH, D]; req_to_token [R, C] int32; per batch row
 // (int64): req_idx, token_starts (first token of the row in q), extend_lens, seq_lens (cached
-// tokens including this step's). Returns [N, H, D].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
-                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
-                              double scale) {
-  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && req_to_token.is_contiguous(), "contiguous inputs expected");
+// tokens including this step's). q and kv are read for their shapes only.
+std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
+    torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx, torch::Tensor token_starts,
+    torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(req_to_token.is_contiguous(), "contiguous req_to_token expected");
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && kv.size(1) == 2 && kv.size(3) == q.size(2), "q [N,H,D], kv [S,2,KVH,D]");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
   TORCH_CHECK(req_to_token.scalar_type() == torch::kInt32, "req_to_token must be int32");
   const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = kv.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  auto plan = std::make_shared<PagedAttentionPlan>();
   auto as_i64 = [](const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); };
-  auto req_idx_c = as_i64(req_idx), starts_c = as_i64(token_starts), lens_c = as_i64(extend_lens),
-       seq_c = as_i64(seq_lens);
-  const int64_t num_rows = req_idx_c.numel();
-  TORCH_CHECK(starts_c.numel() == num_rows && lens_c.numel() == num_rows && seq_c.numel() == num_rows,
+  plan->req_idx = as_i64(req_idx);
+  plan->token_starts = as_i64(token_starts);
+  plan->extend_lens = as_i64(extend_lens);
+  plan->seq_lens = as_i64(seq_lens);
+  const int64_t num_rows = plan->req_idx.numel();
+  TORCH_CHECK(plan->token_starts.numel() == num_rows && plan->extend_lens.numel() == num_rows &&
+                  plan->seq_lens.numel() == num_rows,
               "one req_idx, token_start, extend_len and seq_len per row");
   const int64_t group = num_heads / num_kv_heads;
-  const Problem p{num_heads, num_kv_heads, group, kv.stride(0), req_to_token.stride(0),
-                  req_to_token.data_ptr<int32_t>(), req_idx_c.data_ptr<int64_t>(), starts_c.data_ptr<int64_t>(),
-                  lens_c.data_ptr<int64_t>(), seq_c.data_ptr<int64_t>(), static_cast<float>(scale)};
+  plan->problem = Problem{num_heads, num_kv_heads, group, kv.stride(0), req_to_token.stride(0),
+                          req_to_token.data_ptr<int32_t>(), plan->req_idx.data_ptr<int64_t>(),
+                          plan->token_starts.data_ptr<int64_t>(), plan->extend_lens.data_ptr<int64_t>(),
+                          plan->seq_lens.data_ptr<int64_t>(), static_cast<float>(scale)};
+  plan->num_tokens = q.size(0);
+  plan->head_dim = D;
+  plan->dtype = q.scalar_type();
+  const Problem& p = plan->problem;
   // Tiles of as many tokens as fit kMaxTileRows query-head rows (at least one token).
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / group);
   TORCH_CHECK(group <= kMaxTileRows || (D != 16 && D != 32 && D != 64 && D != 128),
               "more than 16 query heads per kv head");
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
-  std::vector<Task> tasks;
+  std::vector<Task>& tasks = plan->tasks;
   std::vector<int64_t> decodes;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = p.extend_lens[r];
@@ -571,13 +592,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor r
   // With fewer tasks than threads to keep busy (small decode batches), a decode row's cached
   // tokens are split into parts that run in parallel and are merged at the end.
   const int64_t want = 2 * at::get_num_threads(), have = static_cast<int64_t>(tasks.size() + decodes.size());
-  std::vector<DecodeRow> decode_rows;
   int64_t num_partials = 0;
   for (int64_t r : decodes) {
     const int64_t len = p.seq_lens[r];
     const int64_t split = have >= want ? 1 : (want + have - 1) / have;
     const int64_t parts = std::max<int64_t>(1, std::min(split, len / kMinDecodePart));
-    decode_rows.push_back({r, num_partials, parts});
+    plan->decode_rows.push_back({r, num_partials, parts});
     for (int64_t k = 0; k < parts; ++k) {
       const int64_t first = len * k / parts, last = len * (k + 1) / parts;
       tasks.push_back({r, -1, first, last - first, num_partials++});
@@ -588,13 +608,34 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor r
     return t.kv_head < 0 ? t.num_tokens : p.seq_lens[t.row] - p.extend_lens[t.row] + t.first_token + t.num_tokens;
   };
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) { return work(a) > work(b); });
+  return plan;
+}
+
+// Returns [N, H, D]: the attention of the planned rows over one layer's pool kv.
+torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor q, torch::Tensor kv) {
+  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "contiguous inputs expected");
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == plan.num_tokens && q.size(1) == plan.problem.num_heads &&
+                  q.size(2) == plan.head_dim && q.scalar_type() == plan.dtype,
+              "q differs from the planned shape or dtype");
+  TORCH_CHECK(kv.dim() == 4 && kv.stride(0) == plan.problem.kv_slot_stride && kv.size(2) == plan.problem.num_kv_heads &&
+                  kv.scalar_type() == plan.dtype,
+              "kv differs from the planned layout or dtype");
   auto out = torch::empty_like(q);
+  const int64_t D = plan.head_dim;
   if (q.scalar_type() == torch::kFloat32) {
-    attend<float>(p, tasks, decode_rows, D, q.data_ptr<float>(), kv.data_ptr<float>(), out.data_ptr<float>());
+    attend<float>(plan.problem, plan.tasks, plan.decode_rows, D, q.data_ptr<float>(), kv.data_ptr<float>(),
+                  out.data_ptr<float>());
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "paged_attention: float32 or bfloat16 expected");
-    attend<c10::BFloat16>(p, tasks, decode_rows, D, q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(),
-                          out.data_ptr<c10::BFloat16>());
+    attend<c10::BFloat16>(plan.problem, plan.tasks, plan.decode_rows, D, q.data_ptr<c10::BFloat16>(),
+                          kv.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   }
   return out;
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
+                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
+                              double scale) {
+  const auto plan = plan_paged_attention(q, kv, req_to_token, req_idx, token_starts, extend_lens, seq_lens, scale);
+  return run_paged_attention(*plan, q, kv);
 }
