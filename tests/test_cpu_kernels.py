@@ -184,13 +184,25 @@ def test_argmax_rows_matches_torch(kernel, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-def test_store_kv_take_q_matches_index_copy(kernel, dtype, slot_dtype):
-    q_size, kv_heads, head_dim, rows = 96, 2, 16, 5
-    qkv = torch.randn(rows, q_size + 2 * kv_heads * head_dim).to(dtype)
+def test_store_kv_from_fused_rows_matches_index_copy(kernel, dtype, slot_dtype):
+    """K and V read in place from views of fused qkv rows, and attention over a strided q."""
+    heads, kv_heads, head_dim, rows = 6, 2, 16, 5
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(rows, q_size + 2 * kv_size).to(dtype)
+    q = qkv[:, :q_size].view(rows, heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(rows, kv_heads, head_dim)
     kv, want = torch.zeros(11, 2, kv_heads, head_dim, dtype=dtype), torch.zeros(11, 2, kv_heads, head_dim, dtype=dtype)
     slots = torch.tensor([3, 7, 1, 10, 4], dtype=slot_dtype)
-    q = kernel.store_kv_take_q(qkv, kv, slots, q_size)
+    kernel.store_kv(kv, slots, k, v)
     want.view(11, -1).index_copy_(0, slots.long(), qkv[:, q_size:])
-    assert torch.equal(kv, want) and torch.equal(q, qkv[:, :q_size]) and q.is_contiguous()
+    assert torch.equal(kv, want)
+    # one request whose 5 tokens are a prompt over those slots: strided q gives contiguous q's result
+    req_to_token = torch.zeros(1, 8, dtype=torch.int32)
+    req_to_token[0, :rows] = slots.int()
+    lens = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+            torch.full((1,), rows, dtype=torch.int64), torch.full((1,), rows, dtype=torch.int64))
+    got = kernel.paged_attention(q, kv, req_to_token, *lens, head_dim**-0.5)
+    torch.testing.assert_close(got, kernel.paged_attention(q.contiguous(), kv, req_to_token, *lens, head_dim**-0.5))
     with pytest.raises(RuntimeError, match="slot out of the pool"):
-        kernel.store_kv_take_q(qkv, kv, torch.tensor([0, 1, 2, 3, 11], dtype=slot_dtype), q_size)
+        kernel.store_kv(kv, torch.tensor([0, 1, 2, 3, 11], dtype=slot_dtype), k, v)

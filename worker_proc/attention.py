@@ -44,9 +44,9 @@ class PagedKernelAttention:
             batch.req_pool_indices, batch.token_starts, batch.extend_lens, batch.prefix_lens + batch.extend_lens))
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        store_kv(self.pool, layer_id, self.out_cache_loc, k, v)
-        return self.kernels.paged_attention(q.contiguous(), self.pool.kv[layer_id], self.pool.req_to_token,
-                                            *self.rows, self.scale)
+        # q, k and v may be views of the fused qkv rows: the kernels read them in place
+        self.kernels.store_kv(self.pool.kv[layer_id], self.out_cache_loc, k, v)
+        return self.kernels.paged_attention(q, self.pool.kv[layer_id], self.pool.req_to_token, *self.rows, self.scale)
 
     def run_model(self, stack, input_ids: torch.Tensor, logit_rows: torch.Tensor, positions: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_layer_stack(m);
   m.def("paged_attention", &paged_attention, "causal attention of a packed batch over the paged KV pool");
-  m.def("store_kv_take_q", &store_kv_take_q, "each row's K and V to its pool slot; returns the rows' q");
+  m.def("store_kv", &store_kv, "each row's K and V to its pool slot (kv, out_cache_loc, k, v)");
   m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights with per-row scales");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");

@@ -204,29 +204,29 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
   });
 }
 
-torch::Tensor store_kv_take_q(torch::Tensor qkv, torch::Tensor kv, torch::Tensor out_cache_loc, int64_t q_size) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "store_kv_take_q: qkv [T, W] rows");
-  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 4 && kv.size(1) == 2 && kv.scalar_type() == qkv.scalar_type(),
-              "store_kv_take_q: contiguous kv [S, 2, KVH, D] of qkv's dtype");
-  const int64_t rows = qkv.size(0), kv_width = kv.stride(0);
-  TORCH_CHECK(qkv.size(1) == q_size + kv_width, "store_kv_take_q: qkv rows are q | k | v");
+void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 4 && kv.size(1) == 2, "store_kv: contiguous kv [S, 2, KVH, D]");
+  const int64_t rows = k.size(0), width = kv.stride(1), slots = kv.size(0);
+  for (const auto& t : {k, v}) {
+    const bool rows_contiguous = t.stride(-1) == 1 && (t.dim() == 2 || (t.dim() == 3 && t.stride(1) == t.size(2)));
+    TORCH_CHECK(t.scalar_type() == kv.scalar_type() && t.size(0) == rows && t.numel() == rows * width && rows_contiguous,
+                "store_kv: k and v [T, KVH, D] (or [T, KVH * D]) of kv's dtype and head shape, each row contiguous");
+  }
   TORCH_CHECK(out_cache_loc.is_contiguous() && out_cache_loc.numel() == rows &&
                   (out_cache_loc.scalar_type() == torch::kInt64 || out_cache_loc.scalar_type() == torch::kInt32),
-              "store_kv_take_q: one int32/int64 slot per row");
-  auto q = torch::empty({rows, q_size}, qkv.options());
-  const auto* src = static_cast<const char*>(qkv.data_ptr());
+              "store_kv: one int32/int64 slot per row");
+  const int64_t bytes = width * kv.element_size();
   auto* pool = static_cast<char*>(kv.data_ptr());
-  auto* dst = static_cast<char*>(q.data_ptr());
-  const int64_t elem = qkv.element_size(), row_stride = qkv.stride(0) * elem, slots = kv.size(0);
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   const bool wide = out_cache_loc.scalar_type() == torch::kInt64;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t slot = wide ? out_cache_loc.data_ptr<int64_t>()[r] : out_cache_loc.data_ptr<int32_t>()[r];
-    TORCH_CHECK(slot >= 0 && slot < slots, "store_kv_take_q: slot out of the pool");
-    const char* row = src + r * row_stride;
-    std::memcpy(dst + r * q_size * elem, row, q_size * elem);
-    std::memcpy(pool + slot * kv_width * elem, row + q_size * elem, kv_width * elem);
+    TORCH_CHECK(slot >= 0 && slot < slots, "store_kv: slot out of the pool");
+    std::memcpy(pool + slot * 2 * bytes, kp + r * k_stride, bytes);
+    std::memcpy(pool + (slot * 2 + 1) * bytes, vp + r * v_stride, bytes);
   }
-  return q;
 }
 
 // [B, V] -> int64 [B]: the first index of each row's largest value (as torch.argmax, NaNs aside).

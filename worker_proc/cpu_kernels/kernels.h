@@ -8,15 +8,15 @@
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
                               torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
                               double scale);
-// paged_attention split in two: what all layers of a step share, then one layer's attention.
+// q [N, H, D] may be a view with a row stride (of fused qkv rows). paged_attention split in two: what all layers of a step share, then one layer's attention.
 struct PagedAttentionPlan;
 std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
     torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx, torch::Tensor token_starts,
     torch::Tensor extend_lens, torch::Tensor seq_lens, double scale);
 torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor q, torch::Tensor kv);
-// Writes each row's K and V (the columns after the first q_size of qkv) to its pool slot
-// out_cache_loc[row] of kv [S, 2, KVH, D]; returns the rows' q [N, q_size], contiguous.
-torch::Tensor store_kv_take_q(torch::Tensor qkv, torch::Tensor kv, torch::Tensor out_cache_loc, int64_t q_size);
+// Writes row r of k and v [T, KVH, D] (views with contiguous rows, e.g. of fused qkv) to pool slot
+// out_cache_loc[r] of kv [S, 2, KVH, D].
+void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, torch::Tensor v);
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);

@@ -70,7 +70,7 @@ class LayerStack {
     TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
     TORCH_CHECK(embedding_.defined(), "set_head first");
     torch::Tensor x = embedding_.index_select(0, input_ids);
-    const int64_t t = x.size(0), q_size = num_heads_ * head_dim_;
+    const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
     const auto attention = plan_paged_attention(x.new_empty({t, num_heads_, head_dim_}), kv[0], req_to_token, req_idx,
                                                 token_starts, extend_lens, seq_lens, scale);
@@ -85,8 +85,8 @@ class LayerStack {
       }
       torch::Tensor qkv = layer.qkv(h);
       rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
-      torch::Tensor q = store_kv_take_q(qkv, kv[i], out_cache_loc, q_size).view({t, num_heads_, head_dim_});
-      torch::Tensor attn = run_paged_attention(*attention, q, kv[i]);
+      store_kv(kv[i], out_cache_loc, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size));
+      torch::Tensor attn = run_paged_attention(*attention, qkv.narrow(1, 0, q_size).view({t, num_heads_, head_dim_}), kv[i]);
       h = add_rms_norm(layer.o(attn.view({t, q_size})), residual, layer.post_norm, eps_);
       x = layer.down(silu_mul(layer.gate_up(h)));
     }

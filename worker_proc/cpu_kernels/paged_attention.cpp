@@ -80,6 +80,7 @@ inline float* partial_at(float* partials, int64_t index, int64_t H, int64_t D) {
 
 struct Problem {
   int64_t num_heads, num_kv_heads, group, kv_slot_stride, r2t_stride;
+  int64_t q_row_stride;  // elements from one token's q to the next (q may be a view of fused qkv rows)
   const int32_t* req_to_token;
   const int64_t* req_idx;
   const int64_t* token_starts;
@@ -110,7 +111,7 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
 
   vf qs[kMaxTileRows][NV];
   for (int64_t r = 0; r < rows; ++r) {
-    const T* qr = q + (token_of(r) * H + head_of(r)) * D;
+    const T* qr = q + token_of(r) * p.q_row_stride + head_of(r) * D;
     for (int j = 0; j < NV; ++j) qs[r][j] = load16(qr + j * kLanes) * p.scale;
   }
   if (scratch.scores.size() < static_cast<size_t>(kMaxTileRows * padded)) scratch.scores.resize(kMaxTileRows * padded);
@@ -234,7 +235,7 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
   alignas(64) float prob[kMaxHeads + kValueRows][kLanes] = {};  // rows past H stay 0 (padding)
   for (int64_t h = 0; h < H; ++h) {
     for (int j = 0; j < NV; ++j) {
-      qs[h][j] = load16(q + (token * H + h) * D + j * kLanes) * p.scale;
+      qs[h][j] = load16(q + token * p.q_row_stride + h * D + j * kLanes) * p.scale;
       acc[h][j] = vf{};
     }
     run_max[h] = -kInf;
@@ -328,7 +329,7 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
   alignas(64) uint16_t prob[kMaxHeads][kBlock];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
   for (int64_t h = 0; h < H; ++h) {
-    for (int b = 0; b < NB; ++b) qs[h][b] = load_bh(q + (token * H + h) * D + b * 32);
+    for (int b = 0; b < NB; ++b) qs[h][b] = load_bh(q + token * p.q_row_stride + h * D + b * 32);
     for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_setzero_ps();
     run_max[h] = -kInf;
     run_sum[h] = 0.f;
@@ -438,7 +439,7 @@ void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T*
     float* s = scratch.scores.data();
     for (int64_t g = 0; g < G; ++g) {
       const int64_t head = task.kv_head * G + g;
-      const T* qh = q + (token * H + head) * D;
+      const T* qh = q + token * p.q_row_stride + head * D;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < len; ++t) {
         const T* k = kv + slots[t] * p.kv_slot_stride + task.kv_head * D;
@@ -562,7 +563,7 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
                   plan->seq_lens.numel() == num_rows,
               "one req_idx, token_start, extend_len and seq_len per row");
   const int64_t group = num_heads / num_kv_heads;
-  plan->problem = Problem{num_heads, num_kv_heads, group, kv.stride(0), req_to_token.stride(0),
+  plan->problem = Problem{num_heads, num_kv_heads, group, kv.stride(0), req_to_token.stride(0), num_heads * D,
                           req_to_token.data_ptr<int32_t>(), plan->req_idx.data_ptr<int64_t>(),
                           plan->token_starts.data_ptr<int64_t>(), plan->extend_lens.data_ptr<int64_t>(),
                           plan->seq_lens.data_ptr<int64_t>(), static_cast<float>(scale)};
@@ -613,21 +614,24 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
 
 // Returns [N, H, D]: the attention of the planned rows over one layer's pool kv.
 torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor q, torch::Tensor kv) {
-  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "contiguous inputs expected");
+  TORCH_CHECK(kv.is_contiguous(), "contiguous kv expected");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows [H, D] must be contiguous");
   TORCH_CHECK(q.dim() == 3 && q.size(0) == plan.num_tokens && q.size(1) == plan.problem.num_heads &&
                   q.size(2) == plan.head_dim && q.scalar_type() == plan.dtype,
               "q differs from the planned shape or dtype");
   TORCH_CHECK(kv.dim() == 4 && kv.stride(0) == plan.problem.kv_slot_stride && kv.size(2) == plan.problem.num_kv_heads &&
                   kv.scalar_type() == plan.dtype,
               "kv differs from the planned layout or dtype");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t D = plan.head_dim;
+  Problem problem = plan.problem;
+  problem.q_row_stride = q.stride(0);
   if (q.scalar_type() == torch::kFloat32) {
-    attend<float>(plan.problem, plan.tasks, plan.decode_rows, D, q.data_ptr<float>(), kv.data_ptr<float>(),
+    attend<float>(problem, plan.tasks, plan.decode_rows, D, q.data_ptr<float>(), kv.data_ptr<float>(),
                   out.data_ptr<float>());
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "paged_attention: float32 or bfloat16 expected");
-    attend<c10::BFloat16>(plan.problem, plan.tasks, plan.decode_rows, D, q.data_ptr<c10::BFloat16>(),
+    attend<c10::BFloat16>(problem, plan.tasks, plan.decode_rows, D, q.data_ptr<c10::BFloat16>(),
                           kv.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   }
   return out;
