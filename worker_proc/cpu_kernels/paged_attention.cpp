@@ -592,12 +592,13 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   }
   // With fewer tasks than threads to keep busy (small decode batches), a decode row's cached
   // tokens are split into parts that run in parallel and are merged at the end.
-  const int64_t want = 2 * at::get_num_threads(), have = static_cast<int64_t>(tasks.size() + decodes.size());
+  const int64_t threads = at::get_num_threads(), want = 2 * threads, have = static_cast<int64_t>(tasks.size() + decodes.size());
   int64_t num_partials = 0;
   for (int64_t r : decodes) {
     const int64_t len = p.seq_lens[r];
     const int64_t split = have >= want ? 1 : (want + have - 1) / have;
-    const int64_t parts = std::max<int64_t>(1, std::min(split, len / kMinDecodePart));
+    int64_t parts = std::max<int64_t>(1, std::min(split, len / kMinDecodePart));
+    if (parts > threads) parts -= parts % threads;  // 3 parts on 2 threads take as long as 4
     plan->decode_rows.push_back({r, num_partials, parts});
     for (int64_t k = 0; k < parts; ++k) {
       const int64_t first = len * k / parts, last = len * (k + 1) / parts;
