@@ -202,6 +202,7 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     for a, b in zip(logits["quantized"], logits["reference"]):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
+
 def test_layer_stack_weights_lie_in_step_order(tiny):
     """build_layer_stack packs the weights into one region in the order a step reads them, and
     parameters keep their identity (a tied LM head still is the embedding)."""

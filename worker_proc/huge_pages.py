@@ -5,6 +5,7 @@ of small allocations restarts the stream at each one."""
 
 from __future__ import annotations
 
+import math
 import mmap
 from typing import Sequence
 
@@ -27,10 +28,8 @@ def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
 
 
 def zeros_tensor_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return zeros_on_huge_pages(numel * torch.empty((), dtype=dtype).element_size()).view(dtype).view(tuple(shape))
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return zeros_on_huge_pages(nbytes).view(dtype).view(tuple(shape))
 
 
 def pack_on_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -40,11 +39,11 @@ def pack_on_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for t in tensors:
         end += -end % _ALIGN
         offsets.append(end)
-        end += t.numel() * t.element_size()
+        end += t.nbytes
     region = zeros_on_huge_pages(end)
     packed = []
     for t, offset in zip(tensors, offsets):
-        view = region[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view = region[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         packed.append(view)
     return packed

@@ -221,8 +221,10 @@ void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, to
   const auto* vp = static_cast<const char*>(v.data_ptr());
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   const bool wide = out_cache_loc.scalar_type() == torch::kInt64;
+  const int64_t* slots64 = wide ? out_cache_loc.data_ptr<int64_t>() : nullptr;
+  const int32_t* slots32 = wide ? nullptr : out_cache_loc.data_ptr<int32_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t slot = wide ? out_cache_loc.data_ptr<int64_t>()[r] : out_cache_loc.data_ptr<int32_t>()[r];
+    const int64_t slot = wide ? slots64[r] : slots32[r];
     TORCH_CHECK(slot >= 0 && slot < slots, "store_kv: slot out of the pool");
     std::memcpy(pool + slot * 2 * bytes, kp + r * k_stride, bytes);
     std::memcpy(pool + (slot * 2 + 1) * bytes, vp + r * v_stride, bytes);

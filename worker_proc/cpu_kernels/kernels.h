@@ -8,11 +8,13 @@
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
                               torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
                               double scale);
-// q [N, H, D] may be a view with a row stride (of fused qkv rows). paged_attention split in two: what all layers of a step share, then one layer's attention.
+// paged_attention in two parts: what all layers of a step share (planned from the shape of q
+// [num_tokens, num_heads, D]), then one layer's attention. q may be a view with a row stride
+// (of fused qkv rows).
 struct PagedAttentionPlan;
 std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
-    torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx, torch::Tensor token_starts,
-    torch::Tensor extend_lens, torch::Tensor seq_lens, double scale);
+    int64_t num_tokens, int64_t num_heads, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
+    torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale);
 torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor q, torch::Tensor kv);
 // Writes row r of k and v [T, KVH, D] (views with contiguous rows, e.g. of fused qkv) to pool slot
 // out_cache_loc[r] of kv [S, 2, KVH, D].

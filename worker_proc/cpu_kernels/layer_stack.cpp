@@ -72,8 +72,8 @@ class LayerStack {
     torch::Tensor x = embedding_.index_select(0, input_ids);
     const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
-    const auto attention = plan_paged_attention(x.new_empty({t, num_heads_, head_dim_}), kv[0], req_to_token, req_idx,
-                                                token_starts, extend_lens, seq_lens, scale);
+    const auto attention = plan_paged_attention(t, num_heads_, kv[0], req_to_token, req_idx, token_starts, extend_lens,
+                                                seq_lens, scale);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       torch::Tensor h;

@@ -540,17 +540,16 @@ struct PagedAttentionPlan {
   at::ScalarType dtype;
 };
 
-// q [N, H, D] (this step's tokens); kv [S, 2, KVH, D]; req_to_token [R, C] int32; per batch row
-// (int64): req_idx, token_starts (first token of the row in q), extend_lens, seq_lens (cached
-// tokens including this step's). q and kv are read for their shapes only.
+// num_tokens rows of q [N, H, D] (this step's tokens, H = num_heads) over kv [S, 2, KVH, D] (read
+// for its layout only); req_to_token [R, C] int32; per batch row (int64): req_idx, token_starts
+// (first token of the row in q), extend_lens, seq_lens (cached tokens including this step's).
 std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
-    torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx, torch::Tensor token_starts,
-    torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
+    int64_t num_tokens, int64_t num_heads, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
+    torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(req_to_token.is_contiguous(), "contiguous req_to_token expected");
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && kv.size(1) == 2 && kv.size(3) == q.size(2), "q [N,H,D], kv [S,2,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2, "kv [S,2,KVH,D] expected");
   TORCH_CHECK(req_to_token.scalar_type() == torch::kInt32, "req_to_token must be int32");
-  const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = kv.size(2);
+  const int64_t D = kv.size(3), num_kv_heads = kv.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
   auto plan = std::make_shared<PagedAttentionPlan>();
   auto as_i64 = [](const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); };
@@ -567,9 +566,9 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
                           req_to_token.data_ptr<int32_t>(), plan->req_idx.data_ptr<int64_t>(),
                           plan->token_starts.data_ptr<int64_t>(), plan->extend_lens.data_ptr<int64_t>(),
                           plan->seq_lens.data_ptr<int64_t>(), static_cast<float>(scale)};
-  plan->num_tokens = q.size(0);
+  plan->num_tokens = num_tokens;
   plan->head_dim = D;
-  plan->dtype = q.scalar_type();
+  plan->dtype = kv.scalar_type();
   const Problem& p = plan->problem;
   // Tiles of as many tokens as fit kMaxTileRows query-head rows (at least one token).
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / group);
@@ -581,7 +580,7 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = p.extend_lens[r];
     TORCH_CHECK(n >= 1 && p.seq_lens[r] >= n && p.seq_lens[r] <= req_to_token.size(1), "bad row lengths");
-    TORCH_CHECK(p.token_starts[r] >= 0 && p.token_starts[r] + n <= q.size(0), "row tokens out of q");
+    TORCH_CHECK(p.token_starts[r] >= 0 && p.token_starts[r] + n <= num_tokens, "row tokens out of q");
     if (n == 1 && whole_slot_decode) {
       decodes.push_back(r);
       continue;
@@ -617,9 +616,9 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
 torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor q, torch::Tensor kv) {
   TORCH_CHECK(kv.is_contiguous(), "contiguous kv expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows [H, D] must be contiguous");
-  TORCH_CHECK(q.dim() == 3 && q.size(0) == plan.num_tokens && q.size(1) == plan.problem.num_heads &&
+  TORCH_CHECK(q.size(0) == plan.num_tokens && q.size(1) == plan.problem.num_heads &&
                   q.size(2) == plan.head_dim && q.scalar_type() == plan.dtype,
-              "q differs from the planned shape or dtype");
+              "q differs from the planned shape or kv's dtype");
   TORCH_CHECK(kv.dim() == 4 && kv.stride(0) == plan.problem.kv_slot_stride && kv.size(2) == plan.problem.num_kv_heads &&
                   kv.scalar_type() == plan.dtype,
               "kv differs from the planned layout or dtype");
@@ -641,6 +640,8 @@ torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
                               torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
                               double scale) {
-  const auto plan = plan_paged_attention(q, kv, req_to_token, req_idx, token_starts, extend_lens, seq_lens, scale);
+  TORCH_CHECK(q.dim() == 3, "q [N,H,D] expected");
+  const auto plan = plan_paged_attention(q.size(0), q.size(1), kv, req_to_token, req_idx, token_starts, extend_lens,
+                                         seq_lens, scale);
   return run_paged_attention(*plan, q, kv);
 }
