@@ -118,9 +118,13 @@ def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k
     torch.testing.assert_close(kernel.linear_dense(x, dense), F.linear(x.float(), dense.float()).to(dtype), **scale_tol)
     int8_acts = dtype == torch.bfloat16 and k % 64 == 0 and kernel.quantized_int8_activations()
     q8, s8 = quantize_int8(w)
-    x8 = _int8_per_group(x.float()) if int8_acts else x.float()
-    torch.testing.assert_close(kernel.linear_int8(x, q8, s8),
-                               F.linear(x8, dequantize_int8(q8, s8, torch.float32)).to(dtype), **scale_tol)
+    w8 = dequantize_int8(q8, s8, torch.float32)
+    torch.testing.assert_close(kernel.linear_int8(x, q8, s8), F.linear(x.float(), w8).to(dtype), **scale_tol)
+    if int8_acts:  # the VNNI kernel's blocked layout (n = 45, 7: a part-padded last block)
+        packed = kernel.pack_int8(q8)
+        torch.testing.assert_close(kernel.linear_int8(x, packed, s8), F.linear(_int8_per_group(x.float()), w8).to(dtype),
+                                   **scale_tol)
+        assert torch.equal(kernel.dequantize_int8(packed, s8, torch.float32), w8)
     q4, s4, m4 = quantize_int4(w)
     torch.testing.assert_close(kernel.linear_int4(x, q4, s4, m4),
                                _int4_reference(x.float(), q4, s4, m4, int8_acts).to(dtype), **scale_tol)

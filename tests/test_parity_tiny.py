@@ -164,7 +164,7 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     for prefill rows) compute what the plain model computes with the dequantized weights."""
     from worker_proc.linear import Int4Linear, Int8Linear, Linear
     from worker_proc.model_runner import ModelRunner, RunnerConfig
-    from worker_proc.ops import dequantize_int4, dequantize_int8
+    from worker_proc.ops import dequantize_int4
 
     backend = tiny.runner.kernel_backend
     quantized = ModelRunner(RunnerConfig(str(tiny.path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
@@ -177,7 +177,7 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
         if isinstance(module, (Int8Linear, Int4Linear)):
             target = ref_modules[name]
             assert isinstance(target, Linear)
-            w = (dequantize_int8(module.qweight, module.scale, torch.float32) if scheme == "int8" else
+            w = (module.dequantized(torch.float32) if scheme == "int8" else
                  dequantize_int4(module.qweight, module.scale, module.minimum, torch.float32))
             with torch.no_grad():
                 target.weight = torch.nn.Parameter(w)  # unties a tied head: it is quantized apart

@@ -1,6 +1,6 @@
 """--quantization int4 on the embedded model reproduces the GGUF's own Q4_1 blocks: the checkpoint
 loom caches is the GGUF dequantized, and int4 (groups of 32, scale and min per group) re-derives
-each block's scale, min and 4-bit codes from it."""
+each block's scale, min and 4-bit codes from it. And int8 linears on the kernels' weight layout."""
 
 from __future__ import annotations
 
@@ -45,3 +45,30 @@ def test_int4_reproduces_gguf_q4_1_blocks(default_model_dir, layer, gguf_name, h
     packed, scale, minimum = quantize_int4(weight)
     assert torch.equal(packed, codes)
     assert torch.equal(scale.float(), d) and torch.equal(minimum.float(), m)
+
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_linear_on_the_kernels_layout(rows):
+    """A bfloat16 Int8Linear keeps its weights in the layout the loaded kernels stream fastest
+    (pack_int8's blocks on VNNI CPUs); decode rows (the kernel) and prefill rows (widened weights)
+    both compute x @ W.T of the dequantized weights."""
+    import torch.nn.functional as F
+
+    from worker_proc import cpu_kernels
+    from worker_proc.linear import Int8Linear
+    from worker_proc.ops import Ops, quantize_int8
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("CPU kernels unavailable")
+    torch.manual_seed(rows)
+    weight = (torch.randn(200, 576) * 0.05).to(torch.bfloat16)
+    linear = Int8Linear(weight, None, Ops(kernels, small_m_rows=8))
+    q, scale = quantize_int8(weight)
+    assert linear.qweight.dim() == (4 if kernels.quantized_int8_activations() else 2)
+    dequantized = linear.dequantized(torch.float32)
+    assert torch.equal(dequantized, q.float() * scale[:, None])
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    # int8 activations (per 32) in decode rows: a ~1% error on each product
+    torch.testing.assert_close(linear(x).float(), F.linear(x.float(), dequantized), atol=0.05, rtol=0.05)

@@ -31,12 +31,15 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.ops = ops
         q, scale = quantize_int8(weight)
-        self.register_buffer("qweight", q)
+        self.register_buffer("qweight", ops.pack_int8(q, weight.dtype))
         self.register_buffer("scale", scale)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.int8_linear(x, self.qweight, self.scale, self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.ops.dequantize_int8(self.qweight, self.scale, dtype)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         return [self.qweight, self.scale], self.bias

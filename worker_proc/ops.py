@@ -73,14 +73,26 @@ class Ops:
             return y if bias is None else y.add_(bias)
         return F.linear(x, weight, bias)
 
+    def pack_int8(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """q [N, K] in the layout the int8 kernel streams fastest for activations of `dtype`:
+        VNNI kernels take bfloat16 rows against blocks of 16 interleaved weight rows."""
+        if (self.kernels is not None and dtype == torch.bfloat16 and q.shape[1] % (2 * _VEC) == 0
+                and self.kernels.quantized_int8_activations()):
+            return self.kernels.pack_int8(q)
+        return q
+
+    def dequantize_int8(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weights widened to `dtype` [N, K], from either layout of pack_int8."""
+        if self.kernels is not None:
+            return self.kernels.dequantize_int8(qweight, scale, dtype)
+        return dequantize_int8(qweight, scale, dtype)
+
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
         if self._small(x):
             y = self.kernels.linear_int8(x, qweight, scale)
             return y if bias is None else y.add_(bias)
-        widened = (self.kernels.dequantize_int8(qweight, scale, x.dtype) if self.kernels is not None
-                   else dequantize_int8(qweight, scale, x.dtype))
-        return F.linear(x, widened, bias)
+        return F.linear(x, self.dequantize_int8(qweight, scale, x.dtype), bias)
 
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:

@@ -6,7 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention of a packed batch over the paged KV pool");
   m.def("store_kv", &store_kv, "each row's K and V to its pool slot (kv, out_cache_loc, k, v)");
   m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights)");
-  m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights with per-row scales");
+  m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights (as quantized or from pack_int8) with per-row scales");
+  m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's VNNI kernel");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");
   m.def("dense_bf16_dot", &dense_bf16_dot, "whether bfloat16 linears use bf16 dot products (vdpbf16ps)");
   m.def("quantized_int8_activations", &quantized_int8_activations,

@@ -21,6 +21,7 @@ torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor 
 void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, torch::Tensor v);
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor pack_int8(torch::Tensor w);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
 bool quantized_int8_activations();
 bool dense_bf16_dot();

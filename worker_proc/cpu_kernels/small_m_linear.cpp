@@ -2,7 +2,8 @@
 // memory is the cost. The weights are widened to float32 in registers as they are read, and
 // each widened vector of W serves up to four rows of x. Weight formats:
 //   dense  W float32 / bfloat16 [N, K]
-//   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n]
+//   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n]; on VNNI, the
+//          blocked layout of pack_int8
 //   int4   W uint8 [N, K/2] in groups of 32 (GGUF Q4 order: byte i of a group holds element i in
 //          its low nibble and element i+16 in its high one), per group float16 scale and min:
 //          w = q * scale + min (the GGUF Q4_1 block, 20 bytes per 32 weights)
@@ -95,6 +96,7 @@ inline float half_to_float(const at::Half h) {
 }
 
 constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
+constexpr int64_t kInt8Block = 16;  // output rows interleaved by pack_int8
 constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
 constexpr int64_t kPrefetchRows = 16;
 // Up to this many rows of x, a linear is limited by its weight stream: the bf16-dot and VNNI
@@ -323,9 +325,11 @@ QuantizedX quantize_x(const T* x, int64_t m, int64_t k) {
   return qx;
 }
 
-// int8 x int8 on VNNI. vpdpbusd wants one unsigned side: the weights' sign bit is flipped
-// (w + 128, one xor per 64 weights), and the 128 * sum(xq) this adds is subtracted by starting
-// each lane's sum at -128 * (the sum of its 4 xq), computed once per call.
+// int8 x int8 on VNNI, with W in the blocked layout of pack_int8 (rows of 16 output features
+// interleaved per 64 inputs, so a block reads one contiguous stream and each load of x serves
+// 16 rows; one row at a time was compute-bound at half the memory rate). vpdpbusd wants one
+// unsigned side: the packed weights are stored as w + 128, and the 128 * sum(xq) this adds is
+// taken off by starting each lane's sum at -128 * (the sum of its 4 xq), computed once per call.
 struct QuantizedX8 {
   std::vector<int8_t> q;         // [m][k]
   std::vector<float> dx_lanes;   // [m][k / 64][16]: lanes 0-7 the dx of group 2p, 8-15 of group 2p+1
@@ -349,27 +353,67 @@ QuantizedX8 quantize_x8(const T* x, int64_t m, int64_t k) {
   return qx;
 }
 
-template <int R, int MX>
-inline void int8_vnni_block(const Int8Rows& rows, int64_t n0, const QuantizedX8& qx, int64_t i0, int64_t k,
-                            float out[R][kXBlock]) {
-  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[R][MX];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k; j += 64) {
-    for (int r = 0; r < R; ++r) __builtin_prefetch(rows.addr(n0 + r + kPrefetchRows, j));
-    for (int r = 0; r < R; ++r) {
-      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(rows.w + (n0 + r) * k + j), sign);
-      for (int i = 0; i < MX; ++i) {
-        const int64_t at = (i0 + i) * k + j;
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(qx.offsets.data() + at / 4), wu,
-                                                _mm512_loadu_si512(qx.q.data() + at));
-        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(qx.dx_lanes.data() + at / 4), acc[r][i]);
+// The 16 lane sums of v[0..15], in order, as one vector (a transpose-and-add tree).
+inline __m512 sum_lanes_16(const __m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: (a, b, a, b) partial sums of v[2i], v[2i+1]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per chunk: that chunk's sums of v[4i .. 4i+3]
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// y[:, n0 : n0 + 16] for one block of packed W [k / 64][16][64]; rows of x one after another
+// (from the second on, the block is read from L1/L2).
+inline void int8_blocked_rows(const uint8_t* block, const float* scale, const QuantizedX8& qx, int64_t m, int64_t k,
+                              at::BFloat16* y, int64_t n_out, int64_t n0) {
+  for (int64_t i = 0; i < m; ++i) {
+    __m512 acc[kInt8Block];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 64) {
+      const int64_t at = i * k + j;
+      const __m512i xq = _mm512_loadu_si512(qx.q.data() + at);
+      const __m512i offsets = _mm512_loadu_si512(qx.offsets.data() + at / 4);
+      const __m512 dx = _mm512_loadu_ps(qx.dx_lanes.data() + at / 4);
+      const uint8_t* w = block + j * kInt8Block;
+      for (int r = 0; r < kInt8Block; ++r) {
+        const __m512i dot = _mm512_dpbusd_epi32(offsets, _mm512_loadu_si512(w + r * 64), xq);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
       }
     }
+    const int64_t rows = std::min(kInt8Block, n_out - n0);  // the last block may be part padding
+    const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+    const __m512 out = _mm512_mul_ps(sum_lanes_16(acc), _mm512_maskz_loadu_ps(live, scale));
+    at::BFloat16* yi = y + i * n_out + n0;
+#if defined(__AVX512BF16__)
+    _mm256_mask_storeu_epi16(yi, live, (__m256i)_mm512_cvtneps_pbh(out));
+#else
+    alignas(64) float part[kInt8Block];
+    _mm512_store_ps(part, out);
+    for (int64_t r = 0; r < rows; ++r) yi[r] = static_cast<at::BFloat16>(part[r]);
+#endif
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MX; ++i) out[r][i] = _mm512_reduce_add_ps(acc[r][i]) * rows.scale[n0 + r];
+}
+
+torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scale) {
+  const auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n_out = scale.numel(), blocks = w.size(0);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.size(1) * 64 == k,
+              "packed int8 weights take bfloat16 x with K = ", w.size(1) * 64);
+  const auto qx = quantize_x8(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = torch::empty({m, n_out}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      int8_blocked_rows(wp + b * k * kInt8Block, scale.data_ptr<float>() + b * kInt8Block, qx, m, k,
+                        out.data_ptr<at::BFloat16>(), n_out, b * kInt8Block);
+  });
+  return out;
 }
 
 template <int R, int MX>
@@ -539,14 +583,17 @@ torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w) {
 }
 
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && w.size(1) == x.size(1), "w must be int8 [N, K]");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0),
-              "scale must be float32 [N]");
-  const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale must be float32 [N]");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (x.scalar_type() == torch::kBFloat16 && x.size(1) % (2 * kGroup) == 0)
-    return vnni_linear(x, rows, w.size(0), quantize_x8<at::BFloat16>, LOOM_VNNI_BLOCK(int8_vnni_block));
+  if (w.dim() == 4) {
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(0) * kInt8Block >= scale.numel(),
+                "packed int8 weights come from pack_int8");
+    return linear_int8_blocked(x, w, scale);
+  }
 #endif
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && w.dim() == 2 && w.size(1) == x.size(1) &&
+                  scale.numel() == w.size(0), "w must be int8 [N, K] (or from pack_int8), scale float32 [N]");
+  const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
   return dispatch(x, rows, w.size(0));
 }
 
@@ -559,13 +606,32 @@ bool dense_bf16_dot() {
 #endif
 }
 
-// Whether linear_int4 and linear_int8 quantize bfloat16 activations to int8 per group of 32 (VNNI builds).
+// Whether linear_int4, and linear_int8 on pack_int8's layout, quantize bfloat16 activations to int8
+// per group of 32 (VNNI builds).
 bool quantized_int8_activations() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return true;
 #else
   return false;
 #endif
+}
+
+// int8 [N, K] -> the layout of linear_int8's VNNI kernel: uint8 [ceil(N / 16), K / 64, 16, 64],
+// block b, step j, row r holding W[16b + r, 64j : 64j + 64] + 128 (rows past N zero weights).
+torch::Tensor pack_int8(torch::Tensor w) {
+  TORCH_CHECK(quantized_int8_activations(), "pack_int8 needs a VNNI build (see quantized_int8_activations)");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.size(1) % 64 == 0,
+              "pack_int8: int8 [N, K] with K a multiple of 64");
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kInt8Block - 1) / kInt8Block;
+  auto padded = torch::zeros({blocks * kInt8Block, k}, w.options().dtype(torch::kInt16));
+  padded.narrow(0, 0, n).copy_(w);
+  return padded.add_(128).to(torch::kUInt8).view({blocks, kInt8Block, k / 64, 64}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// The inverse of pack_int8, for the first n rows.
+torch::Tensor unpack_int8(torch::Tensor w, int64_t n) {
+  const int64_t k = w.size(1) * 64;
+  return w.permute({0, 2, 1, 3}).reshape({-1, k}).narrow(0, 0, n).to(torch::kInt16).sub_(128).to(torch::kInt8);
 }
 
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum) {
@@ -587,6 +653,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
 // torch's GEMM on the widened copy beats streaming the codes once per row block.
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype) {
+  if (w.dim() == 4) w = unpack_int8(w, scale.numel());
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && scale.is_contiguous() &&
                   scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0), "dequantize_int8: int8 [N, K], float32 [N]");
   const int64_t n = w.size(0), k = w.size(1);
