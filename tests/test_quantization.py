@@ -47,7 +47,6 @@ def test_int4_reproduces_gguf_q4_1_blocks(default_model_dir, layer, gguf_name, h
     assert torch.equal(scale.float(), d) and torch.equal(minimum.float(), m)
 
 
-
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_int8_linear_on_the_kernels_layout(rows):
     """A bfloat16 Int8Linear keeps its weights in the layout the loaded kernels stream fastest

@@ -99,10 +99,11 @@ constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
 constexpr int64_t kInt8Block = 16;  // output rows interleaved by pack_int8
 constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
 constexpr int64_t kPrefetchRows = 16;
-// Up to this many rows of x, a linear is limited by its weight stream: the bf16-dot and VNNI
+// Up to this many rows of x, a linear is limited by its weight stream: the bf16-dot and int4 VNNI
 // kernels then walk rows of W one at a time (one stream the hardware prefetcher follows), where
-// walking several together (sharing each load of x) interleaves their reads. Measured on Zen 4:
-// int8 at batch 1 13 -> 21 GB/s; bf16 at 4-8 rows 15-25% faster.
+// walking several row-major rows together (sharing each load of x) interleaves their reads.
+// Measured on Zen 4: row-major int8 at batch 1 13 -> 21 GB/s; bf16 at 4-8 rows 15-25% faster.
+// (pack_int8's blocks get both: 16 rows share x and still read one stream.)
 constexpr int64_t kStreamRows = 8;
 
 // Each format: load(n, k) -> W[n, k : k + kLanes] widened; finish(n, acc) applies per-row scales;
