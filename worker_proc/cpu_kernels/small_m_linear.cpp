@@ -409,10 +409,11 @@ torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor
   const auto qx = quantize_x8(x.data_ptr<at::BFloat16>(), m, k);
   auto out = torch::empty({m, n_out}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* scales = scale.data_ptr<float>();
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      int8_blocked_rows(wp + b * k * kInt8Block, scale.data_ptr<float>() + b * kInt8Block, qx, m, k,
-                        out.data_ptr<at::BFloat16>(), n_out, b * kInt8Block);
+      int8_blocked_rows(wp + b * k * kInt8Block, scales + b * kInt8Block, qx, m, k, y, n_out, b * kInt8Block);
   });
   return out;
 }
@@ -629,12 +630,6 @@ torch::Tensor pack_int8(torch::Tensor w) {
   return padded.add_(128).to(torch::kUInt8).view({blocks, kInt8Block, k / 64, 64}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// The inverse of pack_int8, for the first n rows.
-torch::Tensor unpack_int8(torch::Tensor w, int64_t n) {
-  const int64_t k = w.size(1) * 64;
-  return w.permute({0, 2, 1, 3}).reshape({-1, k}).narrow(0, 0, n).to(torch::kInt16).sub_(128).to(torch::kInt8);
-}
-
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum) {
   const int64_t k = x.size(1), n = w.size(0);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
@@ -654,19 +649,31 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
 // torch's GEMM on the widened copy beats streaming the codes once per row block.
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype) {
-  if (w.dim() == 4) w = unpack_int8(w, scale.numel());
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && scale.is_contiguous() &&
-                  scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0), "dequantize_int8: int8 [N, K], float32 [N]");
-  const int64_t n = w.size(0), k = w.size(1);
-  auto out = torch::empty({n, k}, w.options().dtype(dtype));
+  const bool packed = w.dim() == 4;  // pack_int8's blocks: read in place, no row-major copy first
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
+                  (packed ? w.scalar_type() == torch::kUInt8 && w.size(0) * kInt8Block >= scale.numel()
+                          : w.dim() == 2 && w.scalar_type() == torch::kInt8 && scale.numel() == w.size(0)),
+              "dequantize_int8: int8 [N, K] (or from pack_int8), float32 [N]");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "dequantize_int8: float32 or bfloat16 output");
-  const int8_t* q = w.data_ptr<int8_t>();
+  const int64_t n = scale.numel(), k = packed ? w.size(1) * 64 : w.size(1);
+  auto out = torch::empty({n, k}, w.options().dtype(dtype));
+  const auto* raw = static_cast<const uint8_t*>(w.data_ptr());
   const float* s = scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, dtype, "dequantize_int8", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t j = 0; j < k; ++j) o[r * k + j] = static_cast<scalar_t>(static_cast<float>(q[r * k + j]) * s[r]);
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row_out = o + r * k;
+        if (packed) {  // row r: 64 codes (+ 128) every 16 * 64 bytes of its block
+          const uint8_t* row = raw + (r / kInt8Block) * k * kInt8Block + (r % kInt8Block) * 64;
+          for (int64_t j0 = 0; j0 < k; j0 += 64, row += kInt8Block * 64)
+            for (int64_t c = 0; c < 64; ++c)
+              row_out[j0 + c] = static_cast<scalar_t>((static_cast<float>(row[c]) - 128.f) * s[r]);
+        } else {
+          const auto* row = reinterpret_cast<const int8_t*>(raw) + r * k;
+          for (int64_t j = 0; j < k; ++j) row_out[j] = static_cast<scalar_t>(static_cast<float>(row[j]) * s[r]);
+        }
+      }
     });
   });
   return out;
