@@ -116,11 +116,11 @@ def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k
     scale_tol = dict(atol=tol * 4, rtol=tol)
     dense = w.to(dtype)
     torch.testing.assert_close(kernel.linear_dense(x, dense), F.linear(x.float(), dense.float()).to(dtype), **scale_tol)
-    int8_acts = dtype == torch.bfloat16 and k % 64 == 0 and kernel.quantized_int8_activations()
+    int8_acts = k % 64 == 0 and kernel.quantized_int8_activations(dtype)
     q8, s8 = quantize_int8(w)
     w8 = dequantize_int8(q8, s8, torch.float32)
     torch.testing.assert_close(kernel.linear_int8(x, q8, s8), F.linear(x.float(), w8).to(dtype), **scale_tol)
-    if int8_acts:  # the VNNI kernel's blocked layout (n = 45, 7: a part-padded last block)
+    if int8_acts:  # the integer kernel's blocked layout (n = 45, 7: a part-padded last block)
         packed = kernel.pack_int8(q8)
         torch.testing.assert_close(kernel.linear_int8(x, packed, s8), F.linear(_int8_per_group(x.float()), w8).to(dtype),
                                    **scale_tol)
@@ -141,10 +141,11 @@ def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:
 
 
 def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 per group of 32 with scale max|x| / 127 (llama.cpp's Q8 activations)."""
+    """x rounded to int8 per group of 32 with scale max|x| / 127 (llama.cpp's Q8 activations),
+    in the kernels' float32 arithmetic: q = round(x * (127 / max|x|))."""
     g = x.view(len(x), -1, 32)
-    dx = g.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(g / dx.clamp_min(1e-30)) * dx).view_as(x)
+    top = g.abs().amax(-1, keepdim=True)
+    return (torch.round(g * (127 / top.clamp_min(1e-30))) * (top / 127)).view_as(x)
 
 
 def test_quantization_round_trip_error_is_bounded():

@@ -65,7 +65,7 @@ def test_int8_linear_on_the_kernels_layout(rows):
     weight = (torch.randn(200, 576) * 0.05).to(torch.bfloat16)
     linear = Int8Linear(weight, None, Ops(kernels, small_m_rows=8))
     q, scale = quantize_int8(weight)
-    assert linear.qweight.dim() == (4 if kernels.quantized_int8_activations() else 2)
+    assert linear.qweight.dim() == (4 if kernels.quantized_int8_activations(torch.bfloat16) else 2)
     dequantized = linear.dequantized(torch.float32)
     assert torch.equal(dequantized, q.float() * scale[:, None])
     x = torch.randn(rows, 576, dtype=torch.bfloat16)

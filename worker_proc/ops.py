@@ -75,9 +75,9 @@ class Ops:
 
     def pack_int8(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q [N, K] in the layout the int8 kernel streams fastest for activations of `dtype`:
-        VNNI kernels take bfloat16 rows against blocks of 16 interleaved weight rows."""
-        if (self.kernels is not None and dtype == torch.bfloat16 and q.shape[1] % (2 * _VEC) == 0
-                and self.kernels.quantized_int8_activations()):
+        where those are quantized to int8 (integer dot products), blocks of interleaved weight rows."""
+        if (self.kernels is not None and q.shape[1] % (2 * _VEC) == 0
+                and self.kernels.quantized_int8_activations(dtype)):
             return self.kernels.pack_int8(q)
         return q
 

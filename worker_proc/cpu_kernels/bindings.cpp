@@ -7,11 +7,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "each row's K and V to its pool slot (kv, out_cache_loc, k, v)");
   m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights (as quantized or from pack_int8) with per-row scales");
-  m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's VNNI kernel");
+  m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's integer kernel");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");
   m.def("dense_bf16_dot", &dense_bf16_dot, "whether bfloat16 linears use bf16 dot products (vdpbf16ps)");
   m.def("quantized_int8_activations", &quantized_int8_activations,
-        "whether linear_int8 and linear_int4 quantize bfloat16 activations to int8 per group of 32 (integer dot products)");
+        "whether linear_int8 (on pack_int8's layout) and linear_int4 quantize activations of this dtype to int8 per group of 32 (integer dot products)");
   m.def("dequantize_int8", &dequantize_int8, "int8 weights widened to float32 / bfloat16");
   m.def("dequantize_int4", &dequantize_int4, "int4 weights widened to float32 / bfloat16");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");

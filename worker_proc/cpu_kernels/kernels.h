@@ -23,7 +23,7 @@ torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor pack_int8(torch::Tensor w);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
-bool quantized_int8_activations();
+bool quantized_int8_activations(at::ScalarType dtype);
 bool dense_bf16_dot();
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype);
 torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype);

@@ -96,7 +96,18 @@ inline float half_to_float(const at::Half h) {
 }
 
 constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
+// Integer dot products of int8 activations: AVX512-VNNI (vpdpbusd) or AVX2 (vpmaddubsw).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LOOM_VNNI 1
 constexpr int64_t kInt8Block = 16;  // output rows interleaved by pack_int8
+constexpr int64_t kInt8Step = 64;   // inputs per row per step of a block
+constexpr auto kPackedInt8 = torch::kUInt8;  // codes + 128: vpdpbusd's unsigned side
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LOOM_AVX2_INT 1
+constexpr int64_t kInt8Block = 8;
+constexpr int64_t kInt8Step = 32;
+constexpr auto kPackedInt8 = torch::kInt8;
+#endif
 constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
 constexpr int64_t kPrefetchRows = 16;
 // Up to this many rows of x, a linear is limited by its weight stream: the bf16-dot and int4 VNNI
@@ -278,13 +289,6 @@ void for_row_blocks(int64_t m, int64_t n_out, RowBlock row_block) {
   for (int64_t n = blocks * R; n < n_out; ++n) row_block(std::integral_constant<int, 1>{}, n);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
-// llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
-// (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
-// one instruction:
-//   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
-// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path.
 // x[0:32] -> q ~ x / dx, dx = max|x| / 127 (0 for an all-zero group); returns sum(x).
 template <typename T>
 inline float quantize_group(const T* x, int8_t* q, float& dx) {
@@ -300,6 +304,14 @@ inline float quantize_group(const T* x, int8_t* q, float& dx) {
   return sum;
 }
 
+
+#if defined(LOOM_VNNI)
+// int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
+// llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
+// (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
+// one instruction:
+//   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
+// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path.
 struct QuantizedX {
   int64_t m, groups;
   std::vector<int8_t> q;       // [m][groups / 2][64]: per pair, x_g[0:16] x_g1[0:16] x_g[16:32] x_g1[16:32]
@@ -499,6 +511,162 @@ torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n
   }
 #endif
 
+#if defined(LOOM_AVX2_INT)
+// int8 activations on AVX2 (vpmaddubsw: 32 unsigned-by-signed byte products summed in pairs to
+// int16), as llama.cpp does without VNNI: x is quantized once per call to int8 per group of 32
+// (x ~ q * dx). The unsigned side is |q| and the weights take q's signs (vpsignb), so no pair sum
+// passes 2 * 127 * 127 and nothing saturates. Float32 and bfloat16 activations alike: widening
+// the codes to float32 instead takes 2.4x the instructions and ran at half the memory rate.
+struct QuantizedRows {
+  int64_t k, padded_groups;     // groups rounded up to 8 (one vector of group scales)
+  std::vector<int8_t> q;        // [m][k]
+  std::vector<int8_t> magnitude;// [m][k]: |q|
+  std::vector<float> dx;        // [m][padded_groups], zero past the last group
+  std::vector<float> sums;      // [m][padded_groups]: sum(x_g), unquantized (int4's min term)
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup, padded = (groups + 7) / 8 * 8;
+  QuantizedRows qx{k, padded, std::vector<int8_t>(m * k), std::vector<int8_t>(m * k),
+                   std::vector<float>(m * padded, 0.f), std::vector<float>(m * padded, 0.f)};
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      int8_t* q = qx.q.data() + i * k + g * kGroup;
+      qx.sums[i * padded + g] = quantize_group(x + i * k + g * kGroup, q, qx.dx[i * padded + g]);
+      for (int64_t j = 0; j < kGroup; ++j) qx.magnitude[i * k + g * kGroup + j] = static_cast<int8_t>(std::abs(q[j]));
+    }
+  return qx;
+}
+
+inline __m256i load_256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 32 products of |q| and the signed weights w (|w| <= 127), summed to 8 int32 lanes.
+inline __m256i dot_32(__m256i magnitude, __m256i q, __m256i w) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, q)), _mm256_set1_epi16(1));
+}
+
+// The 8 lane sums of v[0..7], in order, as one vector (an hadd tree).
+inline __m256 sum_lanes_8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// The same for 8 vectors of int32 (one dot product per group).
+inline __m256i sum_lanes_8i(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// y[:, n0 : n0 + 8] for one block of packed W [k / 32][8][32] (pack_int8 on AVX2: signed codes,
+// 8 rows interleaved per group, so each load of x serves 8 rows and the block is one stream).
+template <typename T>
+void int8_blocked_rows(const int8_t* block, const float* scale, const QuantizedRows& qx, int64_t m, T* y,
+                       int64_t n_out, int64_t n0) {
+  const int64_t k = qx.k, groups = k / kGroup, rows = std::min(kInt8Block, n_out - n0);
+  alignas(32) float row_scale[kInt8Block] = {};  // the last block may be part padding
+  std::memcpy(row_scale, scale + n0, rows * sizeof(float));
+  for (int64_t i = 0; i < m; ++i) {
+    __m256 acc[kInt8Block];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i q = load_256(qx.q.data() + i * k + g * kGroup);
+      const __m256i magnitude = load_256(qx.magnitude.data() + i * k + g * kGroup);
+      const __m256 dx = _mm256_broadcast_ss(qx.dx.data() + i * qx.padded_groups + g);
+      const int8_t* w = block + g * kInt8Block * kGroup;
+      for (int r = 0; r < kInt8Block; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_32(magnitude, q, load_256(w + r * kGroup))), dx, acc[r]);
+    }
+    alignas(32) float part[kInt8Block];
+    _mm256_store_ps(part, _mm256_mul_ps(sum_lanes_8(acc), _mm256_load_ps(row_scale)));
+    for (int64_t r = 0; r < rows; ++r) y[i * n_out + n0 + r] = static_cast<T>(part[r]);
+  }
+}
+
+template <typename T>
+torch::Tensor linear_int8_blocked_as(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
+  const int64_t m = x.size(0), k = x.size(1), n_out = scale.numel();
+  const auto qx = quantize_rows(x.data_ptr<T>(), m, k);
+  auto out = torch::empty({m, n_out}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* scales = scale.data_ptr<float>();
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      int8_blocked_rows(wp + b * k * kInt8Block, scales, qx, m, y, n_out, b * kInt8Block);
+  });
+  return out;
+}
+
+torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scale) {
+  const auto x = x_in.contiguous();
+  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.size(1) * kInt8Step == x.size(1),
+              "packed int8 weights take x with K = ", w.size(1) * kInt8Step);
+  if (x.scalar_type() == torch::kFloat32) return linear_int8_blocked_as<float>(x, w, scale);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "int8 linears take float32 or bfloat16 x");
+  return linear_int8_blocked_as<at::BFloat16>(x, w, scale);
+}
+
+// int4 (the row layout of Int4Rows) against int8 activations, a row of W at a time, 8 groups at
+// a time: each group's codes unpack from 16 bytes to 32 in x's order (low nibbles are elements
+// 0-15, high ones 16-31) and dot with q in unsigned-by-signed products (codes <= 15: no sign
+// trick needed); an hadd tree turns the 8 groups' sums into one vector, scaled by dx and the
+// weights' group scales in one step:
+//   W[n] . x = sum_g scale[n,g] * dx[g] * (codes_g . q_g) + sum_g min[n,g] * sum(x_g).
+// 8 float16 from p widened; past `count` (the row's last groups) the values are either the next
+// rows' (`readable`: they meet zero dx and sums) or zeros (near the end of the tensor).
+inline __m256 load_halves_8(const at::Half* p, int64_t count, bool readable) {
+  if (count == 8 || readable) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) at::Half part[8] = {};
+  for (int64_t j = 0; j < count; ++j) part[j] = p[j];
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
+}
+
+inline float int4_row_dot(const Int4Rows& rows, int64_t n, int64_t n_out, const QuantizedRows& qx, int64_t i) {
+  const int64_t k = qx.k, groups = k / kGroup;
+  const uint8_t* codes = rows.w + n * (k / 2);
+  const int8_t* q = qx.q.data() + i * k;
+  const float* dx = qx.dx.data() + i * qx.padded_groups;
+  const float* sums = qx.sums.data() + i * qx.padded_groups;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t count = std::min<int64_t>(8, groups - g0);
+    __m256i dots[8];
+    for (int64_t j = 0; j < 8; ++j) {
+      if (j >= count) { dots[j] = _mm256_setzero_si256(); continue; }
+      const int64_t g = g0 + j;
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * kGroup / 2));
+      const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
+      dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(c, load_256(q + g * kGroup)), _mm256_set1_epi16(1));
+    }
+    const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_lanes_8i(dots)), _mm256_loadu_ps(dx + g0));
+    const bool readable = (n * groups + g0 + 8) <= n_out * groups;
+    acc = _mm256_fmadd_ps(dot, load_halves_8(rows.scale + n * groups + g0, count, readable), acc);
+    acc = _mm256_fmadd_ps(load_halves_8(rows.minimum + n * groups + g0, count, readable), _mm256_loadu_ps(sums + g0),
+                          acc);
+  }
+  return vsum(acc);
+}
+
+template <typename T>
+torch::Tensor linear_int4_avx2(const torch::Tensor& x, const Int4Rows& rows, int64_t n_out) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const auto qx = quantize_rows(x.data_ptr<T>(), m, k);
+  auto out = torch::empty({m, n_out}, x.options());
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      __builtin_prefetch(rows.w + (n + 4) * (k / 2));
+      for (int64_t i = 0; i < m; ++i) y[i * n_out + n] = static_cast<T>(int4_row_dot(rows, n, n_out, qx, i));
+    }
+  });
+  return out;
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // bfloat16 weights and activations on AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs into 16
 // float32 lanes, so neither side is widened and each instruction does twice an FMA's work. Fast
@@ -586,9 +754,10 @@ torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w) {
 
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale must be float32 [N]");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LOOM_VNNI) || defined(LOOM_AVX2_INT)
   if (w.dim() == 4) {
-    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(0) * kInt8Block >= scale.numel(),
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == kPackedInt8 && w.size(0) * kInt8Block >= scale.numel() &&
+                    w.size(2) == kInt8Block && w.size(3) == kInt8Step,
                 "packed int8 weights come from pack_int8");
     return linear_int8_blocked(x, w, scale);
   }
@@ -608,26 +777,37 @@ bool dense_bf16_dot() {
 #endif
 }
 
-// Whether linear_int4, and linear_int8 on pack_int8's layout, quantize bfloat16 activations to int8
-// per group of 32 (VNNI builds).
-bool quantized_int8_activations() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return true;
+// Whether linear_int4, and linear_int8 on pack_int8's layout, quantize activations of `dtype` to
+// int8 per group of 32 (integer dot products): bfloat16 on VNNI builds, float32 and bfloat16 on
+// AVX2 ones (where float32 is usually the fast dtype and widening the codes is compute-bound).
+bool quantized_int8_activations(at::ScalarType dtype) {
+#if defined(LOOM_VNNI)
+  return dtype == torch::kBFloat16;
+#elif defined(LOOM_AVX2_INT)
+  return dtype == torch::kBFloat16 || dtype == torch::kFloat32;
 #else
   return false;
 #endif
 }
 
-// int8 [N, K] -> the layout of linear_int8's VNNI kernel: uint8 [ceil(N / 16), K / 64, 16, 64],
-// block b, step j, row r holding W[16b + r, 64j : 64j + 64] + 128 (rows past N zero weights).
+// int8 [N, K] -> the blocked layout of linear_int8's integer kernel: [ceil(N / R), K / C, R, C],
+// block b, step j, row r holding W[R b + r, C j : C j + C] (rows past N zero weights). VNNI:
+// R = 16, C = 64, uint8 codes + 128 (vpdpbusd's unsigned side); AVX2: R = 8, C = 32, int8.
 torch::Tensor pack_int8(torch::Tensor w) {
-  TORCH_CHECK(quantized_int8_activations(), "pack_int8 needs a VNNI build (see quantized_int8_activations)");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.size(1) % 64 == 0,
-              "pack_int8: int8 [N, K] with K a multiple of 64");
+#if defined(LOOM_VNNI) || defined(LOOM_AVX2_INT)
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.size(1) % kInt8Step == 0,
+              "pack_int8: int8 [N, K] with K a multiple of ", kInt8Step);
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kInt8Block - 1) / kInt8Block;
   auto padded = torch::zeros({blocks * kInt8Block, k}, w.options().dtype(torch::kInt16));
   padded.narrow(0, 0, n).copy_(w);
-  return padded.add_(128).to(torch::kUInt8).view({blocks, kInt8Block, k / 64, 64}).permute({0, 2, 1, 3}).contiguous();
+  if (kPackedInt8 == torch::kUInt8) padded.add_(128);
+  return padded.to(kPackedInt8)
+      .view({blocks, kInt8Block, k / kInt8Step, kInt8Step})
+      .permute({0, 2, 1, 3})
+      .contiguous();
+#else
+  TORCH_CHECK(false, "pack_int8 needs integer dot products (see quantized_int8_activations)");
+#endif
 }
 
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum) {
@@ -639,9 +819,15 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                   minimum.numel() == n * (k / kGroup),
               "scale/min must be float16 [N, K/32]");
   const Int4Rows rows{w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), minimum.data_ptr<at::Half>(), k};
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LOOM_VNNI)
   if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0)
     return vnni_linear(x, rows, n, quantize_x<at::BFloat16>, LOOM_VNNI_BLOCK(int4_vnni_block));
+#elif defined(LOOM_AVX2_INT)
+  if (x.dim() == 2 && quantized_int8_activations(x.scalar_type())) {
+    const auto xc = x.contiguous();
+    return xc.scalar_type() == torch::kFloat32 ? linear_int4_avx2<float>(xc, rows, n)
+                                               : linear_int4_avx2<at::BFloat16>(xc, rows, n);
+  }
 #endif
   return dispatch(x, rows, n);
 }
@@ -649,13 +835,18 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
 // torch's GEMM on the widened copy beats streaming the codes once per row block.
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype) {
-  const bool packed = w.dim() == 4;  // pack_int8's blocks: read in place, no row-major copy first
+  // pack_int8's blocks [blocks, K / C, R, C] are read in place (no row-major copy first); a uint8
+  // block holds codes + 128.
+  const bool packed = w.dim() == 4;
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
-                  (packed ? w.scalar_type() == torch::kUInt8 && w.size(0) * kInt8Block >= scale.numel()
+                  (packed ? (w.scalar_type() == torch::kUInt8 || w.scalar_type() == torch::kInt8) &&
+                                w.size(0) * w.size(2) >= scale.numel()
                           : w.dim() == 2 && w.scalar_type() == torch::kInt8 && scale.numel() == w.size(0)),
               "dequantize_int8: int8 [N, K] (or from pack_int8), float32 [N]");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "dequantize_int8: float32 or bfloat16 output");
-  const int64_t n = scale.numel(), k = packed ? w.size(1) * 64 : w.size(1);
+  const int64_t n = scale.numel(), k = packed ? w.size(1) * w.size(3) : w.size(1);
+  const int64_t block_rows = packed ? w.size(2) : 1, step = packed ? w.size(3) : k;
+  const float offset = w.scalar_type() == torch::kUInt8 ? 128.f : 0.f;
   auto out = torch::empty({n, k}, w.options().dtype(dtype));
   const auto* raw = static_cast<const uint8_t*>(w.data_ptr());
   const float* s = scale.data_ptr<float>();
@@ -664,11 +855,14 @@ torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarTy
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row_out = o + r * k;
-        if (packed) {  // row r: 64 codes (+ 128) every 16 * 64 bytes of its block
-          const uint8_t* row = raw + (r / kInt8Block) * k * kInt8Block + (r % kInt8Block) * 64;
-          for (int64_t j0 = 0; j0 < k; j0 += 64, row += kInt8Block * 64)
-            for (int64_t c = 0; c < 64; ++c)
-              row_out[j0 + c] = static_cast<scalar_t>((static_cast<float>(row[c]) - 128.f) * s[r]);
+        if (packed) {  // row r: `step` codes every block_rows * step bytes of its block
+          const uint8_t* row = raw + (r / block_rows) * k * block_rows + (r % block_rows) * step;
+          for (int64_t j0 = 0; j0 < k; j0 += step, row += block_rows * step)
+            for (int64_t c = 0; c < step; ++c) {
+              const float code = offset ? static_cast<float>(row[c]) - offset
+                                        : static_cast<float>(static_cast<int8_t>(row[c]));
+              row_out[j0 + c] = static_cast<scalar_t>(code * s[r]);
+            }
         } else {
           const auto* row = reinterpret_cast<const int8_t*>(raw) + r * k;
           for (int64_t j = 0; j < k; ++j) row_out[j] = static_cast<scalar_t>(static_cast<float>(row[j]) * s[r]);
