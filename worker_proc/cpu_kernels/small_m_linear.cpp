@@ -305,13 +305,8 @@ inline float quantize_group(const T* x, int8_t* q, float& dx) {
 }
 
 
-#if defined(LOOM_VNNI)
-// int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
-// llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
-// (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
-// one instruction:
-//   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
-// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path.
+// Rows of x quantized per group of 32 for int4 weights, each pair of groups laid out as the
+// codes of a pair of GGUF groups unpack from 32 bytes (low nibbles, then high ones).
 struct QuantizedX {
   int64_t m, groups;
   std::vector<int8_t> q;       // [m][groups / 2][64]: per pair, x_g[0:16] x_g1[0:16] x_g[16:32] x_g1[16:32]
@@ -338,6 +333,14 @@ QuantizedX quantize_x(const T* x, int64_t m, int64_t k) {
   return qx;
 }
 
+#if defined(LOOM_VNNI)
+// int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
+// llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
+// (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
+// one instruction:
+//   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
+// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path
+// on VNNI builds.
 // int8 x int8 on VNNI, with W in the blocked layout of pack_int8 (rows of 16 output features
 // interleaved per 64 inputs, so a block reads one contiguous stream and each load of x serves
 // 16 rows; one row at a time was compute-bound at half the memory rate). vpdpbusd wants one
@@ -518,22 +521,20 @@ torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n
 // passes 2 * 127 * 127 and nothing saturates. Float32 and bfloat16 activations alike: widening
 // the codes to float32 instead takes 2.4x the instructions and ran at half the memory rate.
 struct QuantizedRows {
-  int64_t k, padded_groups;     // groups rounded up to 8 (one vector of group scales)
-  std::vector<int8_t> q;        // [m][k]
-  std::vector<int8_t> magnitude;// [m][k]: |q|
-  std::vector<float> dx;        // [m][padded_groups], zero past the last group
-  std::vector<float> sums;      // [m][padded_groups]: sum(x_g), unquantized (int4's min term)
+  int64_t k;
+  std::vector<int8_t> q;          // [m][k]
+  std::vector<int8_t> magnitude;  // [m][k]: |q|
+  std::vector<float> dx;          // [m][k / 32]
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
-  const int64_t groups = k / kGroup, padded = (groups + 7) / 8 * 8;
-  QuantizedRows qx{k, padded, std::vector<int8_t>(m * k), std::vector<int8_t>(m * k),
-                   std::vector<float>(m * padded, 0.f), std::vector<float>(m * padded, 0.f)};
+  const int64_t groups = k / kGroup;
+  QuantizedRows qx{k, std::vector<int8_t>(m * k), std::vector<int8_t>(m * k), std::vector<float>(m * groups)};
   for (int64_t i = 0; i < m; ++i)
     for (int64_t g = 0; g < groups; ++g) {
       int8_t* q = qx.q.data() + i * k + g * kGroup;
-      qx.sums[i * padded + g] = quantize_group(x + i * k + g * kGroup, q, qx.dx[i * padded + g]);
+      quantize_group(x + i * k + g * kGroup, q, qx.dx[i * groups + g]);
       for (int64_t j = 0; j < kGroup; ++j) qx.magnitude[i * k + g * kGroup + j] = static_cast<int8_t>(std::abs(q[j]));
     }
   return qx;
@@ -553,13 +554,6 @@ inline __m256 sum_lanes_8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// The same for 8 vectors of int32 (one dot product per group).
-inline __m256i sum_lanes_8i(const __m256i v[8]) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
 // y[:, n0 : n0 + 8] for one block of packed W [k / 32][8][32] (pack_int8 on AVX2: signed codes,
 // 8 rows interleaved per group, so each load of x serves 8 rows and the block is one stream).
 template <typename T>
@@ -574,7 +568,7 @@ void int8_blocked_rows(const int8_t* block, const float* scale, const QuantizedR
     for (int64_t g = 0; g < groups; ++g) {
       const __m256i q = load_256(qx.q.data() + i * k + g * kGroup);
       const __m256i magnitude = load_256(qx.magnitude.data() + i * k + g * kGroup);
-      const __m256 dx = _mm256_broadcast_ss(qx.dx.data() + i * qx.padded_groups + g);
+      const __m256 dx = _mm256_broadcast_ss(qx.dx.data() + i * groups + g);
       const int8_t* w = block + g * kInt8Block * kGroup;
       for (int r = 0; r < kInt8Block; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_32(magnitude, q, load_256(w + r * kGroup))), dx, acc[r]);
@@ -609,59 +603,71 @@ torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor
   return linear_int8_blocked_as<at::BFloat16>(x, w, scale);
 }
 
-// int4 (the row layout of Int4Rows) against int8 activations, a row of W at a time, 8 groups at
-// a time: each group's codes unpack from 16 bytes to 32 in x's order (low nibbles are elements
-// 0-15, high ones 16-31) and dot with q in unsigned-by-signed products (codes <= 15: no sign
-// trick needed); an hadd tree turns the 8 groups' sums into one vector, scaled by dx and the
-// weights' group scales in one step:
+// int4 (the row layout of Int4Rows) against int8 activations, as on VNNI a pair of groups at a
+// time: 32 bytes of codes unpack to their low and high nibbles (elements 0-15 and 16-31 of both
+// groups), each dotted with the matching 32 bytes of quantize_x's reordered q in unsigned-by-
+// signed products (codes <= 15: nothing saturates), so lanes 0-3 sum group 2p and lanes 4-7 group
+// 2p + 1, scaled per lane by dx and the weights' group scale:
 //   W[n] . x = sum_g scale[n,g] * dx[g] * (codes_g . q_g) + sum_g min[n,g] * sum(x_g).
-// 8 float16 from p widened; past `count` (the row's last groups) the values are either the next
-// rows' (`readable`: they meet zero dx and sums) or zeros (near the end of the tensor).
-inline __m256 load_halves_8(const at::Half* p, int64_t count, bool readable) {
-  if (count == 8 || readable) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  alignas(16) at::Half part[8] = {};
-  for (int64_t j = 0; j < count; ++j) part[j] = p[j];
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
-}
-
-inline float int4_row_dot(const Int4Rows& rows, int64_t n, int64_t n_out, const QuantizedRows& qx, int64_t i) {
-  const int64_t k = qx.k, groups = k / kGroup;
+template <int MX>
+inline void int4_avx2_row(const Int4Rows& rows, int64_t n, const QuantizedX& qx, int64_t i0, int64_t k,
+                          float out[kXBlock]) {
+  const int64_t groups = k / kGroup, pairs = groups / 2;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i scale_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const uint8_t* codes = rows.w + n * (k / 2);
-  const int8_t* q = qx.q.data() + i * k;
-  const float* dx = qx.dx.data() + i * qx.padded_groups;
-  const float* sums = qx.sums.data() + i * qx.padded_groups;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-    const int64_t count = std::min<int64_t>(8, groups - g0);
-    __m256i dots[8];
-    for (int64_t j = 0; j < 8; ++j) {
-      if (j >= count) { dots[j] = _mm256_setzero_si256(); continue; }
-      const int64_t g = g0 + j;
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * kGroup / 2));
-      const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
-      dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(c, load_256(q + g * kGroup)), _mm256_set1_epi16(1));
+  const at::Half* scales = rows.scale + n * groups;
+  __m256 acc[MX];
+  for (int i = 0; i < MX; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i b = load_256(codes + p * kGroup);
+    const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    int32_t two_scales;
+    std::memcpy(&two_scales, scales + 2 * p, sizeof(two_scales));
+    const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two_scales))),
+                                               scale_lanes);
+    for (int i = 0; i < MX; ++i) {
+      const int64_t row = (i0 + i) * pairs + p;
+      const int8_t* xq = qx.q.data() + row * 64;
+      const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load_256(xq)),
+                                               _mm256_maddubs_epi16(hi, load_256(xq + 32)));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs16, ones));
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_loadu_ps(qx.dx_lanes.data() + row * 16)), ws, acc[i]);
     }
-    const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_lanes_8i(dots)), _mm256_loadu_ps(dx + g0));
-    const bool readable = (n * groups + g0 + 8) <= n_out * groups;
-    acc = _mm256_fmadd_ps(dot, load_halves_8(rows.scale + n * groups + g0, count, readable), acc);
-    acc = _mm256_fmadd_ps(load_halves_8(rows.minimum + n * groups + g0, count, readable), _mm256_loadu_ps(sums + g0),
-                          acc);
   }
-  return vsum(acc);
+  const at::Half* mins = rows.minimum + n * groups;
+  for (int i = 0; i < MX; ++i) {
+    const float* sums = qx.sums.data() + (i0 + i) * groups;
+    __m256 offset = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+      offset = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g))),
+                               _mm256_loadu_ps(sums + g), offset);
+    float total = vsum(_mm256_add_ps(acc[i], offset));
+    for (; g < groups; ++g) total += half_to_float(mins[g]) * sums[g];
+    out[i] = total;
+  }
 }
 
 template <typename T>
 torch::Tensor linear_int4_avx2(const torch::Tensor& x, const Int4Rows& rows, int64_t n_out) {
   const int64_t m = x.size(0), k = x.size(1);
-  const auto qx = quantize_rows(x.data_ptr<T>(), m, k);
+  const auto qx = quantize_x(x.data_ptr<T>(), m, k);
   auto out = torch::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      __builtin_prefetch(rows.w + (n + 4) * (k / 2));
-      for (int64_t i = 0; i < m; ++i) y[i * n_out + n] = static_cast<T>(int4_row_dot(rows, n, n_out, qx, i));
-    }
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
+        float part[kXBlock];
+        const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
+        switch (mx) {
+          case 1: int4_avx2_row<1>(rows, n, qx, i0, k, part); break;
+          case 2: int4_avx2_row<2>(rows, n, qx, i0, k, part); break;
+          case 3: int4_avx2_row<3>(rows, n, qx, i0, k, part); break;
+          default: int4_avx2_row<kXBlock>(rows, n, qx, i0, k, part);
+        }
+        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n] = static_cast<T>(part[i]);
+      }
   });
   return out;
 }
@@ -823,7 +829,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0)
     return vnni_linear(x, rows, n, quantize_x<at::BFloat16>, LOOM_VNNI_BLOCK(int4_vnni_block));
 #elif defined(LOOM_AVX2_INT)
-  if (x.dim() == 2 && quantized_int8_activations(x.scalar_type())) {
+  if (x.dim() == 2 && k % (2 * kGroup) == 0 && quantized_int8_activations(x.scalar_type())) {
     const auto xc = x.contiguous();
     return xc.scalar_type() == torch::kFloat32 ? linear_int4_avx2<float>(xc, rows, n)
                                                : linear_int4_avx2<at::BFloat16>(xc, rows, n);
