@@ -162,6 +162,7 @@ def test_greedy_matches_hf_chunked_prefill(tiny):
 def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     """--quantization: the quantized linears (the small-M kernel for decode rows, widened weights
     for prefill rows) compute what the plain model computes with the dequantized weights."""
+    from worker_proc import cpu_kernels
     from worker_proc.linear import Int4Linear, Int8Linear, Linear
     from worker_proc.model_runner import ModelRunner, RunnerConfig
     from worker_proc.ops import dequantize_int4
@@ -199,8 +200,19 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
             runner.model = model
         logits[label] = seen
     assert len(logits["quantized"]) == len(logits["reference"])
-    for a, b in zip(logits["quantized"], logits["reference"]):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    kernels = cpu_kernels.load() if quantized.kernel_backend == "cpu" else None
+    int8_acts = kernels is not None and kernels.quantized_int8_activations(torch.float32)
+    for step, (a, b) in enumerate(zip(logits["quantized"], logits["reference"])):
+        if int8_acts:
+            # AVX2 builds quantize float32 activations of few-row linears (decodes, the LM head) to
+            # int8 per 32; the kernels' own tests check that arithmetic exactly, so here only an
+            # error of int8 rounding's size is allowed, up to the first greedy pick that differs
+            err = ((a - b).abs().max() / b.abs().max()).item()
+            assert err < 0.1, f"step {step}: relative error {err:.3f}"
+            if not torch.equal(a.argmax(-1), b.argmax(-1)):
+                break  # a greedy pick differs: later steps see different tokens
+        else:
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
 def test_layer_stack_weights_lie_in_step_order(tiny):

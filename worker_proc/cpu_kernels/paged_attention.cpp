@@ -36,6 +36,26 @@ constexpr int kLanes = 16;
 // out[i] = the sum of the lanes of v[i], for 16 vectors: three rounds of pairwise shuffles and
 // adds (about three operations per sum instead of a horizontal reduction per vector).
 inline vf transpose_sum(const vf* v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // On AVX2 a vf is two registers, and GCC breaks the generic shuffles below into scalar moves:
+  // fold each vector's halves, then an hadd tree per 8 vectors.
+  __m256 folded[16];
+  for (int i = 0; i < 16; ++i) {
+    __m256 halves[2];
+    std::memcpy(halves, &v[i], sizeof(halves));
+    folded[i] = _mm256_add_ps(halves[0], halves[1]);
+  }
+  __m256 out[2];
+  for (int b = 0; b < 2; ++b) {
+    const __m256* f = folded + 8 * b;
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
+    const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(f[4], f[5]), _mm256_hadd_ps(f[6], f[7]));
+    out[b] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  }
+  vf r;
+  std::memcpy(&r, out, sizeof(r));
+  return r;
+#else
   const vi lo_ps = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
   const vi hi_ps = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
   const vi lo_pd = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
@@ -52,6 +72,7 @@ inline vf transpose_sum(const vf* v) {
     w[j] = __builtin_shuffle(u[2 * j], u[2 * j + 1], even_blocks) +
            __builtin_shuffle(u[2 * j], u[2 * j + 1], odd_blocks);
   return __builtin_shuffle(w[0], w[1], even_blocks) + __builtin_shuffle(w[0], w[1], odd_blocks);
+#endif
 }
 
 // Every cache line of one head's K or V row of a slot that is `ahead` tokens on.
@@ -303,6 +324,130 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// attend_decode for AVX2: there a vf is two registers, and the generic kernel's per-head q and
+// accumulators (9 heads x 4 vf each) spill to the stack on every token (it ran at ~8 GB/s of KV,
+// a quarter of the memory's rate). Here q and the accumulators live in L1 arrays, one head's
+// D-wide row is in registers at a time, and 8-lane hadd trees turn 16 tokens' partial dot
+// products into scores. Same contract as attend_decode.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of a float
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// The lane sums of v[0..7], in order (an hadd tree).
+inline __m256 sum_lanes_8(const __m256* v) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+
+inline float max_lanes_8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float add_lanes_8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <typename T, int NY>  // NY: 8-float registers per head row (D = 8 NY)
+void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
+  static_assert(NY % 2 == 0, "two accumulators per dot product");
+  constexpr int64_t D = NY * 8, B = 16;  // tokens per block: two hadd trees of scores
+  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
+  const int64_t begin = task.first_token, end = task.first_token + task.num_tokens, token = p.token_starts[row];
+  const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
+  const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(T));
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+
+  alignas(32) float qs[kMaxHeads][D], acc[kMaxHeads][D], part[kMaxHeads][B][8], prob[kMaxHeads][B];
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  for (int64_t h = 0; h < H; ++h) {
+    for (int j = 0; j < NY; ++j) {
+      _mm256_store_ps(qs[h] + 8 * j, _mm256_mul_ps(load8(q + token * p.q_row_stride + h * D + 8 * j), scale));
+      _mm256_store_ps(acc[h] + 8 * j, _mm256_setzero_ps());
+    }
+    run_max[h] = -kInf;
+    run_sum[h] = 0.f;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t t0 = begin; t0 < end; t0 += B) {
+    const int64_t n = std::min<int64_t>(B, end - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (t0 + i + kDecodeAhead < end) prefetch_slot(kv + slots[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
+      const T* k = kv + slots[t0 + i] * p.kv_slot_stride;
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        __m256 kr[NY];
+        for (int j = 0; j < NY; ++j) kr[j] = load8(k + kh * D + 8 * j);
+        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+          __m256 s0 = _mm256_mul_ps(kr[0], _mm256_load_ps(qs[h])), s1 = _mm256_mul_ps(kr[1], _mm256_load_ps(qs[h] + 8));
+          for (int j = 2; j < NY; j += 2) {
+            s0 = _mm256_fmadd_ps(kr[j], _mm256_load_ps(qs[h] + 8 * j), s0);
+            s1 = _mm256_fmadd_ps(kr[j + 1], _mm256_load_ps(qs[h] + 8 * j + 8), s1);
+          }
+          _mm256_store_ps(part[h][i], _mm256_add_ps(s0, s1));
+        }
+      }
+    }
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = n; i < B; ++i) _mm256_store_ps(part[h][i], _mm256_setzero_ps());
+    for (int64_t h = 0; h < H; ++h) {
+      __m256 s[2], e[2];
+      for (int b = 0; b < 2; ++b) {
+        const __m256 valid = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - 8 * b)), lane));
+        s[b] = _mm256_blendv_ps(_mm256_set1_ps(-kInf), sum_lanes_8(reinterpret_cast<const __m256*>(part[h][8 * b])), valid);
+      }
+      const float new_max = std::max(run_max[h], max_lanes_8(_mm256_max_ps(s[0], s[1])));
+      for (int b = 0; b < 2; ++b) {
+        v8f x;
+        std::memcpy(&x, &s[b], sizeof(x));
+        x = x - new_max;
+        x = x > -87.f ? x : v8f{} - 87.f;  // (masked lanes: -inf -> -87, then zeroed below)
+        const __m256 ex = reinterpret_cast<__m256>(loom::vexp_lanes<v8f, v8i>(x));
+        e[b] = _mm256_and_ps(ex, _mm256_cmp_ps(s[b], _mm256_set1_ps(-kInf), _CMP_NEQ_OQ));
+        _mm256_store_ps(prob[h] + 8 * b, e[b]);
+      }
+      if (new_max != run_max[h]) {  // rescale what was summed under the old max
+        const float c = std::exp(run_max[h] - new_max);
+        run_sum[h] *= c;
+        const __m256 cv = _mm256_set1_ps(c);
+        for (int j = 0; j < NY; ++j) _mm256_store_ps(acc[h] + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * j), cv));
+        run_max[h] = new_max;
+      }
+      run_sum[h] += add_lanes_8(_mm256_add_ps(e[0], e[1]));
+    }
+    // acc += p * v, one head's row in registers at a time (V rows re-read from L1 per head)
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+        __m256 a[NY];
+        for (int j = 0; j < NY; ++j) a[j] = _mm256_load_ps(acc[h] + 8 * j);
+        for (int64_t i = 0; i < n; ++i) {
+          const T* v = kv + slots[t0 + i] * p.kv_slot_stride + (KVH + kh) * D;
+          const __m256 w = _mm256_broadcast_ss(prob[h] + i);
+          for (int j = 0; j < NY; ++j) a[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), a[j]);
+        }
+        for (int j = 0; j < NY; ++j) _mm256_store_ps(acc[h] + 8 * j, a[j]);
+      }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* o = partial + h * (D + 2);
+    std::memcpy(o, acc[h], sizeof(acc[h]));
+    o[D] = run_max[h];
+    o[D + 1] = run_sum[h];
+  }
+}
+#endif
+
 #ifdef __AVX512BF16__
 // attend_decode for bfloat16 on CPUs with AVX512-BF16: the products take bf16 pairs straight from
 // the pool (vdpbf16ps: 32 multiply-adds, no widening). Scores pair adjacent head dims; the
@@ -487,12 +632,21 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
           if (D == 32) { attend_decode_dpbf16<2>(p, task, q, kv, partial); continue; }
         }
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        switch (D) {
+          case 16: attend_decode_avx2<T, 2>(p, task, q, kv, partial); break;
+          case 32: attend_decode_avx2<T, 4>(p, task, q, kv, partial); break;
+          case 64: attend_decode_avx2<T, 8>(p, task, q, kv, partial); break;
+          case 128: attend_decode_avx2<T, 16>(p, task, q, kv, partial); break;
+        }
+#else
         switch (D) {
           case 16: attend_decode<T, 1>(p, task, q, kv, partial); break;
           case 32: attend_decode<T, 2>(p, task, q, kv, partial); break;
           case 64: attend_decode<T, 4>(p, task, q, kv, partial); break;
           case 128: attend_decode<T, 8>(p, task, q, kv, partial); break;
         }
+#endif
         continue;
       }
       switch (D) {

@@ -60,15 +60,18 @@ inline vf load16(const c10::BFloat16* p) {  // bf16 is the high half of a float
 }
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
-// vexp on 16 lanes (the same steps; written on vectors where the loop form does not vectorise).
-inline vf vexp16(vf x) {
-  const vf t = x * 1.44269504089f + 0.5f;
-  const vi ti = __builtin_convertvector(t, vi);
-  const vi ni = ti + (__builtin_convertvector(ti, vf) > t);  // floor(t): a true lane is -1
-  vi biased = ni + 127;
-  biased = biased < 0 ? vi{} : biased;
-  biased = biased > 255 ? vi{} + 255 : biased;
-  return exp_reduced(x, __builtin_convertvector(ni, vf)) * reinterpret_cast<vf>(biased << 23);
+// vexp on the lanes of a GCC vector F (I: the int32 vector of as many lanes); the same steps,
+// written on vectors where the loop form does not vectorise.
+template <typename F, typename I>
+inline F vexp_lanes(F x) {
+  const F t = x * 1.44269504089f + 0.5f;
+  const I ti = __builtin_convertvector(t, I);
+  const I ni = ti + (__builtin_convertvector(ti, F) > t);  // floor(t): a true lane is -1
+  I biased = ni + 127;
+  biased = biased < 0 ? I{} : biased;
+  biased = biased > 255 ? I{} + 255 : biased;
+  return exp_reduced(x, __builtin_convertvector(ni, F)) * reinterpret_cast<F>(biased << 23);
 }
+inline vf vexp16(vf x) { return vexp_lanes<vf, vi>(x); }
 
 }  // namespace loom
