@@ -304,7 +304,6 @@ inline float quantize_group(const T* x, int8_t* q, float& dx) {
   return sum;
 }
 
-
 // Rows of x quantized per group of 32 for int4 weights, each pair of groups laid out as the
 // codes of a pair of GGUF groups unpack from 32 bytes (low nibbles, then high ones).
 struct QuantizedX {
@@ -334,13 +333,6 @@ QuantizedX quantize_x(const T* x, int64_t m, int64_t k) {
 }
 
 #if defined(LOOM_VNNI)
-// int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
-// llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
-// (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
-// one instruction:
-//   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
-// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path
-// on VNNI builds.
 // int8 x int8 on VNNI, with W in the blocked layout of pack_int8 (rows of 16 output features
 // interleaved per 64 inputs, so a block reads one contiguous stream and each load of x serves
 // 16 rows; one row at a time was compute-bound at half the memory rate). vpdpbusd wants one
@@ -433,6 +425,13 @@ torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor
   return out;
 }
 
+// int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
+// llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
+// (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
+// one instruction:
+//   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
+// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path
+// on VNNI builds.
 template <int R, int MX>
 inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& qx, int64_t i0, int64_t k,
                             float out[R][kXBlock]) {
