@@ -36,26 +36,6 @@ constexpr int kLanes = 16;
 // out[i] = the sum of the lanes of v[i], for 16 vectors: three rounds of pairwise shuffles and
 // adds (about three operations per sum instead of a horizontal reduction per vector).
 inline vf transpose_sum(const vf* v) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // On AVX2 a vf is two registers, and GCC breaks the generic shuffles below into scalar moves:
-  // fold each vector's halves, then an hadd tree per 8 vectors.
-  __m256 folded[16];
-  for (int i = 0; i < 16; ++i) {
-    __m256 halves[2];
-    std::memcpy(halves, &v[i], sizeof(halves));
-    folded[i] = _mm256_add_ps(halves[0], halves[1]);
-  }
-  __m256 out[2];
-  for (int b = 0; b < 2; ++b) {
-    const __m256* f = folded + 8 * b;
-    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
-    const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(f[4], f[5]), _mm256_hadd_ps(f[6], f[7]));
-    out[b] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
-  }
-  vf r;
-  std::memcpy(&r, out, sizeof(r));
-  return r;
-#else
   const vi lo_ps = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
   const vi hi_ps = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
   const vi lo_pd = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
@@ -72,7 +52,6 @@ inline vf transpose_sum(const vf* v) {
     w[j] = __builtin_shuffle(u[2 * j], u[2 * j + 1], even_blocks) +
            __builtin_shuffle(u[2 * j], u[2 * j + 1], odd_blocks);
   return __builtin_shuffle(w[0], w[1], even_blocks) + __builtin_shuffle(w[0], w[1], odd_blocks);
-#endif
 }
 
 // Every cache line of one head's K or V row of a slot that is `ahead` tokens on.
@@ -110,6 +89,40 @@ struct Problem {
   float scale;
 };
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define LOOM_AVX2_ATTENTION 1
+// On AVX2 a vf is two registers: arrays of them per query head spill to the stack, so the AVX2
+// paths below keep q and accumulators as float rows in L1 and one head's row in registers.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of a float
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// The lane sums of v[0..7], in order (an hadd tree).
+inline __m256 sum_lanes_8(const __m256* v) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+
+inline float max_lanes_8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float add_lanes_8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#endif
+
 // Per-thread buffers, grown as needed.
 struct Scratch {
   std::vector<float> scores;  // [tile rows, padded length]
@@ -130,13 +143,44 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
   auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
   auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
 
+  if (scratch.scores.size() < static_cast<size_t>(kMaxTileRows * padded)) scratch.scores.resize(kMaxTileRows * padded);
+  float* scores = scratch.scores.data();
+#if defined(LOOM_AVX2_ATTENTION)
+  // scores[r][t] = q_r . k_t, 16 tokens at a time (two 8-lane hadd trees)
+  alignas(32) float qf[kMaxTileRows][D], part[kMaxTileRows][kLanes][8];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr = q + token_of(r) * p.q_row_stride + head_of(r) * D;
+    for (int64_t j = 0; j < D; j += 8) _mm256_store_ps(qf[r] + j, _mm256_mul_ps(load8(qr + j), _mm256_set1_ps(p.scale)));
+  }
+  for (int64_t t0 = 0; t0 < tile_len; t0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, tile_len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (t0 + i + kPrefetchTokens < tile_len)
+        prefetch_row<T, D>(kv + slots[t0 + i + kPrefetchTokens] * p.kv_slot_stride + k_off);
+      const T* k = kv + slots[t0 + i] * p.kv_slot_stride + k_off;
+      __m256 kr[2 * NV];
+      for (int j = 0; j < 2 * NV; ++j) kr[j] = load8(k + 8 * j);
+      for (int64_t r = 0; r < rows; ++r) {
+        __m256 s0 = _mm256_mul_ps(kr[0], _mm256_load_ps(qf[r])), s1 = _mm256_mul_ps(kr[1], _mm256_load_ps(qf[r] + 8));
+        for (int j = 2; j < 2 * NV; j += 2) {
+          s0 = _mm256_fmadd_ps(kr[j], _mm256_load_ps(qf[r] + 8 * j), s0);
+          s1 = _mm256_fmadd_ps(kr[j + 1], _mm256_load_ps(qf[r] + 8 * j + 8), s1);
+        }
+        _mm256_store_ps(part[r][i], _mm256_add_ps(s0, s1));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = n; i < kLanes; ++i) _mm256_store_ps(part[r][i], _mm256_setzero_ps());
+      _mm256_storeu_ps(scores + r * padded + t0, sum_lanes_8(reinterpret_cast<const __m256*>(part[r][0])));
+      _mm256_storeu_ps(scores + r * padded + t0 + 8, sum_lanes_8(reinterpret_cast<const __m256*>(part[r][8])));
+    }
+  }
+#else
   vf qs[kMaxTileRows][NV];
   for (int64_t r = 0; r < rows; ++r) {
     const T* qr = q + token_of(r) * p.q_row_stride + head_of(r) * D;
     for (int j = 0; j < NV; ++j) qs[r][j] = load16(qr + j * kLanes) * p.scale;
   }
-  if (scratch.scores.size() < static_cast<size_t>(kMaxTileRows * padded)) scratch.scores.resize(kMaxTileRows * padded);
-  float* scores = scratch.scores.data();
 
   // scores[r][t] = q_r . k_t, 16 tokens at a time
   vf part[kMaxTileRows][kLanes];
@@ -161,6 +205,7 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     }
   }
 
+#endif
   // softmax of each row over the tokens it sees; the rest of its (padded) row becomes 0
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t r = 0; r < rows; ++r) {
@@ -192,6 +237,26 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     }
   }
 
+#if defined(LOOM_AVX2_ATTENTION)
+  // out_r = sum_t p[r][t] v_t over the tokens row r sees, one row's D-wide accumulator in registers
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = scores + r * padded;
+    const int64_t len = first_pos + task.first_token + r / G + 1;
+    __m256 acc[2 * NV];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      if (r == 0 && t + kPrefetchTokens < tile_len)
+        prefetch_row<T, D>(kv + slots[t + kPrefetchTokens] * p.kv_slot_stride + v_off);
+      const T* v = kv + slots[t] * p.kv_slot_stride + v_off;
+      const __m256 w = _mm256_broadcast_ss(pr + t);
+      for (int j = 0; j < 2 * NV; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
+    }
+    alignas(32) float buf[D];
+    for (int j = 0; j < 2 * NV; ++j) _mm256_store_ps(buf + 8 * j, acc[j]);
+    T* o = out + (token_of(r) * H + head_of(r)) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(buf[d]);
+  }
+#else
   // out_r = sum_t p[r][t] v_t, kValueRows rows per pass over V
   if (scratch.zeros.size() < static_cast<size_t>(padded)) scratch.zeros.assign(padded, 0.f);
   for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
@@ -215,6 +280,7 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(buf[d]);
     }
   }
+#endif
 }
 
 constexpr int kMaxHeads = 32;
@@ -324,40 +390,12 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
   }
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(LOOM_AVX2_ATTENTION)
 // attend_decode for AVX2: there a vf is two registers, and the generic kernel's per-head q and
 // accumulators (9 heads x 4 vf each) spill to the stack on every token (it ran at ~8 GB/s of KV,
 // a quarter of the memory's rate). Here q and the accumulators live in L1 arrays, one head's
 // D-wide row is in registers at a time, and 8-lane hadd trees turn 16 tokens' partial dot
 // products into scores. Same contract as attend_decode.
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of a float
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-
-// The lane sums of v[0..7], in order (an hadd tree).
-inline __m256 sum_lanes_8(const __m256* v) {
-  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
-}
-
-inline float max_lanes_8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float add_lanes_8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 template <typename T, int NY>  // NY: 8-float registers per head row (D = 8 NY)
 void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
   static_assert(NY % 2 == 0, "two accumulators per dot product");
