@@ -204,7 +204,6 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
       std::memcpy(scores + r * padded + t0, &s, sizeof(s));
     }
   }
-
 #endif
   // softmax of each row over the tokens it sees; the rest of its (padded) row becomes 0
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
