@@ -131,8 +131,8 @@ def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k
 
 
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:
-    """x @ W.T for the dequantized int4 W = codes * scale + min. With int8 activations (the VNNI
-    path) the codes term sees x rounded to int8 per group of 32; the min term sees x itself."""
+    """x @ W.T for the dequantized int4 W = codes * scale + min. With int8 activations (integer dot
+    products) the codes term sees x rounded to int8 per group of 32; the min term sees x itself."""
     w = dequantize_int4(q4, s4, m4, torch.float32)
     if not int8_acts:
         return F.linear(x, w)
