@@ -95,18 +95,13 @@ struct Problem {
 // paths below keep q and accumulators as float rows in L1 and one head's row in registers.
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+using loom::add_lanes_8;
+using loom::sum_lanes_8;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of a float
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-
-// The lane sums of v[0..7], in order (an hadd tree).
-inline __m256 sum_lanes_8(const __m256* v) {
-  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
 }
 
 inline float max_lanes_8(__m256 v) {
@@ -115,10 +110,22 @@ inline float max_lanes_8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-inline float add_lanes_8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+// q_row = src * scale as a float row (D = 8 NY), and the dot product of k (in registers) with
+// such a row: two accumulator chains, the row read from L1.
+template <int NY, typename T>
+inline void scaled_row(const T* src, float scale, float* q_row) {
+  for (int j = 0; j < NY; ++j) _mm256_store_ps(q_row + 8 * j, _mm256_mul_ps(load8(src + 8 * j), _mm256_set1_ps(scale)));
+}
+
+template <int NY>
+inline __m256 dot_row(const __m256* k, const float* q_row) {
+  static_assert(NY % 2 == 0, "two accumulator chains");
+  __m256 s0 = _mm256_mul_ps(k[0], _mm256_load_ps(q_row)), s1 = _mm256_mul_ps(k[1], _mm256_load_ps(q_row + 8));
+  for (int j = 2; j < NY; j += 2) {
+    s0 = _mm256_fmadd_ps(k[j], _mm256_load_ps(q_row + 8 * j), s0);
+    s1 = _mm256_fmadd_ps(k[j + 1], _mm256_load_ps(q_row + 8 * j + 8), s1);
+  }
+  return _mm256_add_ps(s0, s1);
 }
 
 #endif
@@ -150,7 +157,7 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
   alignas(32) float qf[kMaxTileRows][D], part[kMaxTileRows][kLanes][8];
   for (int64_t r = 0; r < rows; ++r) {
     const T* qr = q + token_of(r) * p.q_row_stride + head_of(r) * D;
-    for (int64_t j = 0; j < D; j += 8) _mm256_store_ps(qf[r] + j, _mm256_mul_ps(load8(qr + j), _mm256_set1_ps(p.scale)));
+    scaled_row<2 * NV>(qr, p.scale, qf[r]);
   }
   for (int64_t t0 = 0; t0 < tile_len; t0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, tile_len - t0);
@@ -160,14 +167,7 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
       const T* k = kv + slots[t0 + i] * p.kv_slot_stride + k_off;
       __m256 kr[2 * NV];
       for (int j = 0; j < 2 * NV; ++j) kr[j] = load8(k + 8 * j);
-      for (int64_t r = 0; r < rows; ++r) {
-        __m256 s0 = _mm256_mul_ps(kr[0], _mm256_load_ps(qf[r])), s1 = _mm256_mul_ps(kr[1], _mm256_load_ps(qf[r] + 8));
-        for (int j = 2; j < 2 * NV; j += 2) {
-          s0 = _mm256_fmadd_ps(kr[j], _mm256_load_ps(qf[r] + 8 * j), s0);
-          s1 = _mm256_fmadd_ps(kr[j + 1], _mm256_load_ps(qf[r] + 8 * j + 8), s1);
-        }
-        _mm256_store_ps(part[r][i], _mm256_add_ps(s0, s1));
-      }
+      for (int64_t r = 0; r < rows; ++r) _mm256_store_ps(part[r][i], dot_row<2 * NV>(kr, qf[r]));
     }
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t i = n; i < kLanes; ++i) _mm256_store_ps(part[r][i], _mm256_setzero_ps());
@@ -397,7 +397,6 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
 // products into scores. Same contract as attend_decode.
 template <typename T, int NY>  // NY: 8-float registers per head row (D = 8 NY)
 void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
-  static_assert(NY % 2 == 0, "two accumulators per dot product");
   constexpr int64_t D = NY * 8, B = 16;  // tokens per block: two hadd trees of scores
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, end = task.first_token + task.num_tokens, token = p.token_starts[row];
@@ -407,12 +406,9 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T*
 
   alignas(32) float qs[kMaxHeads][D], acc[kMaxHeads][D], part[kMaxHeads][B][8], prob[kMaxHeads][B];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
-  const __m256 scale = _mm256_set1_ps(p.scale);
   for (int64_t h = 0; h < H; ++h) {
-    for (int j = 0; j < NY; ++j) {
-      _mm256_store_ps(qs[h] + 8 * j, _mm256_mul_ps(load8(q + token * p.q_row_stride + h * D + 8 * j), scale));
-      _mm256_store_ps(acc[h] + 8 * j, _mm256_setzero_ps());
-    }
+    scaled_row<NY>(q + token * p.q_row_stride + h * D, p.scale, qs[h]);
+    for (int j = 0; j < NY; ++j) _mm256_store_ps(acc[h] + 8 * j, _mm256_setzero_ps());
     run_max[h] = -kInf;
     run_sum[h] = 0.f;
   }
@@ -425,25 +421,19 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T*
       for (int64_t kh = 0; kh < KVH; ++kh) {
         __m256 kr[NY];
         for (int j = 0; j < NY; ++j) kr[j] = load8(k + kh * D + 8 * j);
-        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-          __m256 s0 = _mm256_mul_ps(kr[0], _mm256_load_ps(qs[h])), s1 = _mm256_mul_ps(kr[1], _mm256_load_ps(qs[h] + 8));
-          for (int j = 2; j < NY; j += 2) {
-            s0 = _mm256_fmadd_ps(kr[j], _mm256_load_ps(qs[h] + 8 * j), s0);
-            s1 = _mm256_fmadd_ps(kr[j + 1], _mm256_load_ps(qs[h] + 8 * j + 8), s1);
-          }
-          _mm256_store_ps(part[h][i], _mm256_add_ps(s0, s1));
-        }
+        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) _mm256_store_ps(part[h][i], dot_row<NY>(kr, qs[h]));
       }
     }
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = n; i < B; ++i) _mm256_store_ps(part[h][i], _mm256_setzero_ps());
+    __m256 valid[2];  // the block's tokens (lanes past n: -inf scores, 0 probabilities)
+    for (int b = 0; b < 2; ++b)
+      valid[b] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - 8 * b)), lane));
     for (int64_t h = 0; h < H; ++h) {
       __m256 s[2], e[2];
-      for (int b = 0; b < 2; ++b) {
-        const __m256 valid = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - 8 * b)), lane));
-        s[b] = _mm256_blendv_ps(_mm256_set1_ps(-kInf), sum_lanes_8(reinterpret_cast<const __m256*>(part[h][8 * b])), valid);
-      }
+      for (int b = 0; b < 2; ++b)
+        s[b] = _mm256_blendv_ps(_mm256_set1_ps(-kInf), sum_lanes_8(reinterpret_cast<const __m256*>(part[h][8 * b])),
+                                valid[b]);
       const float new_max = std::max(run_max[h], max_lanes_8(_mm256_max_ps(s[0], s[1])));
       for (int b = 0; b < 2; ++b) {
         v8f x;
@@ -451,7 +441,7 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T*
         x = x - new_max;
         x = x > -87.f ? x : v8f{} - 87.f;  // (masked lanes: -inf -> -87, then zeroed below)
         const __m256 ex = reinterpret_cast<__m256>(loom::vexp_lanes<v8f, v8i>(x));
-        e[b] = _mm256_and_ps(ex, _mm256_cmp_ps(s[b], _mm256_set1_ps(-kInf), _CMP_NEQ_OQ));
+        e[b] = _mm256_and_ps(ex, valid[b]);
         _mm256_store_ps(prob[h] + 8 * b, e[b]);
       }
       if (new_max != run_max[h]) {  // rescale what was summed under the old max

@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -49,12 +51,7 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset(float a) { return _mm256_set1_ps(a); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline float vsum(Vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float vsum(Vec a) { return loom::add_lanes_8(a); }
 inline Vec load_f32(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec load_bf16(const uint16_t* p) {
   __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -546,13 +543,6 @@ inline __m256i dot_32(__m256i magnitude, __m256i q, __m256i w) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, q)), _mm256_set1_epi16(1));
 }
 
-// The 8 lane sums of v[0..7], in order, as one vector (an hadd tree).
-inline __m256 sum_lanes_8(const __m256 v[8]) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
 // y[:, n0 : n0 + 8] for one block of packed W [k / 32][8][32] (pack_int8 on AVX2: signed codes,
 // 8 rows interleaved per group, so each load of x serves 8 rows and the block is one stream).
 template <typename T>
@@ -573,7 +563,7 @@ void int8_blocked_rows(const int8_t* block, const float* scale, const QuantizedR
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_32(magnitude, q, load_256(w + r * kGroup))), dx, acc[r]);
     }
     alignas(32) float part[kInt8Block];
-    _mm256_store_ps(part, _mm256_mul_ps(sum_lanes_8(acc), _mm256_load_ps(row_scale)));
+    _mm256_store_ps(part, _mm256_mul_ps(loom::sum_lanes_8(acc), _mm256_load_ps(row_scale)));
     for (int64_t r = 0; r < rows; ++r) y[i * n_out + n0 + r] = static_cast<T>(part[r]);
   }
 }

@@ -74,4 +74,19 @@ inline F vexp_lanes(F x) {
 }
 inline vf vexp16(vf x) { return vexp_lanes<vf, vi>(x); }
 
+#if defined(__AVX2__)
+// The lane sums of v[0..7], in order, as one vector (an hadd tree).
+inline __m256 sum_lanes_8(const __m256* v) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+
+inline float add_lanes_8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 }  // namespace loom
