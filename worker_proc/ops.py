@@ -2,8 +2,9 @@
 (worker_proc/cpu_kernels) and from plain torch otherwise. The torch versions are the reference:
 the kernels round to the activation dtype at the same points.
 
-Linears with few input rows (decode steps) stream their weights through the small-M kernel;
-larger inputs (prefill chunks) go to torch's GEMM, after widening quantized weights.
+Linears with few input rows (decode steps) stream their weights through the small-M kernel, and
+dense ones take loom's kernels up to Ops.dense_rows (more rows on some builds); larger inputs
+(prefill chunks) go to torch's GEMM, after widening quantized weights.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ class Ops:
         self.small_m_rows = small_m_rows if kernels is not None else 0
         bf16_dot = kernels is not None and kernels.dense_bf16_dot()
         self.dense_bf16_rows = max(self.small_m_rows, dense_bf16_rows if bf16_dot else 0)
+        # float32 x float32 ones up to however many rows the build's kernel beats the GEMM at.
+        self.dense_f32_rows = max(self.small_m_rows, kernels.dense_f32_rows() if kernels is not None else 0)
+
+    def dense_rows(self, dtype: torch.dtype) -> int:
+        """Rows of x up to which dense linears of `dtype` take loom's kernel."""
+        return {torch.bfloat16: self.dense_bf16_rows, torch.float32: self.dense_f32_rows}.get(dtype, self.small_m_rows)
 
     # ---- normalisation, activation, rotary ----------------------------------------------------
 
@@ -67,8 +74,7 @@ class Ops:
         return x.shape[0] <= (self.small_m_rows if rows is None else rows) and x.shape[1] % _VEC == 0
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = self.dense_bf16_rows if x.dtype == torch.bfloat16 else self.small_m_rows  # >= small_m_rows
-        if x.dtype == weight.dtype and self._small(x, rows):
+        if x.dtype == weight.dtype and self._small(x, self.dense_rows(x.dtype)):
             y = self.kernels.linear_dense(x, weight)
             return y if bias is None else y.add_(bias)
         return F.linear(x, weight, bias)

@@ -9,6 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights (as quantized or from pack_int8) with per-row scales");
   m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's integer kernel");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");
+  m.def("dense_f32_rows", &dense_f32_rows, "rows of x up to which float32 linear_dense beats torch's GEMM (0: few)");
   m.def("dense_bf16_dot", &dense_bf16_dot, "whether bfloat16 linears use bf16 dot products (vdpbf16ps)");
   m.def("quantized_int8_activations", &quantized_int8_activations,
         "whether linear_int8 (on pack_int8's layout) and linear_int4 quantize activations of this dtype to int8 per group of 32 (integer dot products)");

@@ -25,6 +25,7 @@ torch::Tensor pack_int8(torch::Tensor w);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
 bool quantized_int8_activations(at::ScalarType dtype);
 bool dense_bf16_dot();
+int64_t dense_f32_rows();
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype);
 torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -719,6 +719,121 @@ torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define LOOM_AVX2_DENSE 1
+// float32 linears with more rows of x than the weight stream needs, on AVX2 CPUs. Measured on Zen 3
+// (2 threads, weights from DRAM), torch's GEMM reaches 45-55 GFLOP/s at 16 rows and ~110 at 128,
+// the lm_head-sized one less; these two reach 70 / 130-140:
+//   up to kDotMaxRows rows: blocked dot products, 4 rows of W x 3 rows of x, no packing;
+//   up to kDenseF32Rows rows: W packed per call into panels of 16 transposed rows, a 6 x 16 tile
+//   of y per step (the classic broadcast kernel, no horizontal sums).
+// Above kDenseF32Rows torch's GEMM is as fast.
+constexpr int64_t kDotMaxRows = 48;
+constexpr int64_t kDenseF32Rows = 256;
+constexpr int64_t kPanel = 16;     // W rows per packed panel (two registers of y per row of x)
+constexpr int64_t kPanelK = 256;   // inputs per panel: 16 KB, half of L1
+
+// y[i, n0 + r] = W[n0 + r] . x[i] for R rows of W and MX rows of x: 12 accumulators, 3 rows of x
+// and one of W fill AVX2's 16 registers.
+template <int R, int MX>
+inline void dot_tile(const float* w, const float* x, int64_t k, float* y, int64_t n_out) {
+  __m256 acc[R][MX];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 8) {
+    __m256 xv[MX];
+    for (int i = 0; i < MX; ++i) xv[i] = _mm256_loadu_ps(x + i * k + j);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + r * k + j);
+      for (int i = 0; i < MX; ++i) acc[r][i] = _mm256_fmadd_ps(wv, xv[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) y[i * n_out + r] = loom::add_lanes_8(acc[r][i]);
+}
+
+// Rows [n0, n0 + R) of W against every row of x; the next block's rows are fetched meanwhile.
+template <int R>
+void dot_rows(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n_out, int64_t n0) {
+  const float* wb = w + n0 * k;
+  if (n0 + 2 * R <= n_out)
+    for (int64_t j = 0; j < R * k; j += 16) _mm_prefetch(reinterpret_cast<const char*>(wb + R * k + j), _MM_HINT_T0);
+  int64_t i = 0;
+  for (; i + 3 <= m; i += 3) dot_tile<R, 3>(wb, x + i * k, k, y + i * n_out + n0, n_out);
+  if (m - i == 2) dot_tile<R, 2>(wb, x + i * k, k, y + i * n_out + n0, n_out);
+  if (m - i == 1) dot_tile<R, 1>(wb, x + i * k, k, y + i * n_out + n0, n_out);
+}
+
+// rows [n_begin, n_out) of y by dot products: blocks of 4 rows of W over the threads, then the rest.
+void dense_f32_dots(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n_out, int64_t n_begin) {
+  const int64_t blocks = (n_out - n_begin) / 4;
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) dot_rows<4>(x, w, y, m, k, n_out, n_begin + 4 * b);
+  });
+  for (int64_t n = n_begin + 4 * blocks; n < n_out; ++n) dot_rows<1>(x, w, y, m, k, n_out, n);
+}
+
+// y[i0 : i0 + MR, panel columns] (+)= x[i0 : i0 + MR, k-range] @ panel; panel[kk][c] = W[c, k0 + kk].
+template <int MR>
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t kb, float* y, int64_t ldy,
+                       bool first) {
+  __m256 c[MR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) c[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + i * ldy + 8 * h);
+  for (int64_t kk = 0; kk < kb; ++kk) {
+    const __m256 b0 = _mm256_load_ps(panel + kk * kPanel), b1 = _mm256_load_ps(panel + kk * kPanel + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + kk);
+      c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + i * ldy + 8 * h, c[i][h]);
+}
+
+void dense_f32_panels(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n_out) {
+  const int64_t panels = n_out / kPanel;
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    alignas(64) float panel[kPanelK * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
+        const int64_t kb = std::min(kPanelK, k - k0);
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const float* src = w + (p * kPanel + c) * k + k0;
+          for (int64_t kk = 0; kk < kb; ++kk) panel[kk * kPanel + c] = src[kk];
+        }
+        float* yp = y + p * kPanel;
+        const float* xp = x + k0;
+        const bool first = k0 == 0;
+        int64_t i = 0;
+        for (; i + 6 <= m; i += 6) panel_tile<6>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
+        switch (m - i) {
+          case 5: panel_tile<5>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
+          case 4: panel_tile<4>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
+          case 3: panel_tile<3>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
+          case 2: panel_tile<2>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
+          case 1: panel_tile<1>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
+        }
+      }
+    }
+  });
+  if (panels * kPanel < n_out) dense_f32_dots(x, w, y, m, k, n_out, panels * kPanel);
+}
+
+torch::Tensor linear_f32_rows(const torch::Tensor& x_in, const torch::Tensor& w) {
+  auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  if (m <= kDotMaxRows) dense_f32_dots(xp, wp, y, m, k, n, 0);
+  else dense_f32_panels(xp, wp, y, m, k, n);
+  return out;
+}
+#endif
+
 template <typename Rows>
 torch::Tensor dispatch(const torch::Tensor& x_in, const Rows& rows, int64_t n_out) {
   auto x = x_in.contiguous();
@@ -738,7 +853,13 @@ torch::Tensor dispatch(const torch::Tensor& x_in, const Rows& rows, int64_t n_ou
 
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1), "w must be contiguous [N, K]");
-  if (w.scalar_type() == torch::kFloat32) return dispatch(x, DenseF32{w.data_ptr<float>(), w.size(1)}, w.size(0));
+  if (w.scalar_type() == torch::kFloat32) {
+#if defined(LOOM_AVX2_DENSE)
+    if (x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(0) > kXBlock && x.size(1) % 8 == 0)
+      return linear_f32_rows(x, w);
+#endif
+    return dispatch(x, DenseF32{w.data_ptr<float>(), w.size(1)}, w.size(0));
+  }
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "dense weights must be float32 or bfloat16");
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(1) % 32 == 0)
@@ -761,6 +882,16 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
                   scale.numel() == w.size(0), "w must be int8 [N, K] (or from pack_int8), scale float32 [N]");
   const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
   return dispatch(x, rows, w.size(0));
+}
+
+// Rows of x up to which linear_dense beats torch's GEMM for float32 (0: only the weight-streaming
+// sizes the caller picks).
+int64_t dense_f32_rows() {
+#if defined(LOOM_AVX2_DENSE)
+  return kDenseF32Rows;
+#else
+  return 0;
+#endif
 }
 
 // Whether bfloat16 x bfloat16 linears use vdpbf16ps (AVX512-BF16 builds).

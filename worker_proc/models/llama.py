@@ -158,8 +158,8 @@ class CausalLM(nn.Module):
 
     def build_layer_stack(self) -> bool:
         """Hands the weights to the compiled layer stack, which then runs small steps from token
-        ids to logits in one call: up to as many tokens as its linears take the small-M kernel
-        (more for unquantized bfloat16). Call after any weight change (loading, quantization).
+        ids to logits in one call: up to as many tokens as its linears take loom's kernels
+        (more for unquantized weights, Ops.dense_rows). Call after any weight change (loading, quantization).
         Models with per-head q/k norms keep the Python path."""
         kernels = self.ops.kernels
         if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0:
@@ -174,9 +174,10 @@ class CausalLM(nn.Module):
                             attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(),
                             mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec())
         self.layer_stack = stack
-        dense_bf16 = all(isinstance(mod, Linear) and mod.weight.dtype == torch.bfloat16
-                         for mod in self.modules() if hasattr(mod, "kernel_spec"))
-        self.layer_stack_rows = self.ops.dense_bf16_rows if dense_bf16 else self.ops.small_m_rows
+        dense_dtypes = {mod.weight.dtype if isinstance(mod, Linear) else None
+                        for mod in self.modules() if hasattr(mod, "kernel_spec")}
+        dense_dtype = dense_dtypes.pop() if len(dense_dtypes) == 1 else None
+        self.layer_stack_rows = self.ops.dense_rows(dense_dtype) if dense_dtype else self.ops.small_m_rows
         return True
 
     def _pack_weights_in_step_order(self) -> None:
