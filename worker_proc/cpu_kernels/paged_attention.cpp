@@ -128,6 +128,84 @@ inline __m256 dot_row(const __m256* k, const float* q_row) {
   return _mm256_add_ps(s0, s1);
 }
 
+
+// Prompt tiles as small GEMMs, register-blocked: scores of kScoreRows query rows x kScoreKeys keys
+// (12 accumulators over D, 7 loads per 12 FMAs, where one row against one key loaded q from L1
+// for every FMA), and the values of kValueTileRows rows x 32 dims (8 loads per 12 FMAs).
+constexpr int kScoreRows = 3, kScoreKeys = 4, kValueTileRows = 3;
+
+// s[0:len) -> exp(s - max), 0 on to `padded` (a multiple of 8); returns 1 / their sum.
+inline float softmax_row(float* s, int64_t len, int64_t padded) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float m = max_lanes_8(mv);
+  for (; t < len; ++t) m = std::max(m, s[t]);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sum = _mm256_setzero_ps();
+  for (t = 0; t < padded; t += 8) {
+    v8f x;
+    const __m256 raw = _mm256_loadu_ps(s + t);
+    std::memcpy(&x, &raw, sizeof(x));
+    x = x - m;
+    x = x > -87.f ? x : v8f{} - 87.f;  // exp underflows to 0 there; keeps vexp_lanes in range
+    const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(len - t)), lane));
+    const __m256 e = _mm256_and_ps(reinterpret_cast<__m256>(loom::vexp_lanes<v8f, v8i>(x)), seen);
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(s + t, e);
+  }
+  return 1.f / add_lanes_8(sum);
+}
+
+// The 4 lane sums of a, b, c, d.
+inline __m128 sum_lanes_4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// scores[r * ld + c] = q_rows[r] . k[c] for R rows (L1 float rows of D) and C keys (pool rows).
+template <int R, int C, int64_t D, typename T>
+inline void score_tile(const float* q_rows, const T* const* k, float* scores, int64_t ld) {
+  __m256 acc[R][kScoreKeys];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kScoreKeys; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = _mm256_load_ps(q_rows + r * D + d);
+    for (int c = 0; c < C; ++c) {
+      const __m256 kv = load8(k[c] + d);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float four[4];
+    _mm_store_ps(four, sum_lanes_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    for (int c = 0; c < C; ++c) scores[r * ld + c] = four[c];
+  }
+}
+
+// out_rows[r][0:8W] = row_scale[r] sum_t p[r][t] v_t[0:8W] over tokens [0, len) for R rows of
+// (unnormalised) probabilities.
+template <int R, int W, typename T>
+inline void value_tile(const float* probs, const float* row_scale, int64_t ld, const T* kv, const int32_t* slots,
+                       int64_t slot_stride, int64_t len, float* out_rows, int64_t out_ld) {
+  __m256 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = kv + slots[t] * slot_stride;
+    __m256 w[R];  // (12 accumulators, 3 probabilities, one V register: AVX2's 16)
+    for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(probs + r * ld + t);
+    for (int j = 0; j < W; ++j) {
+      const __m256 vr = load8(v + 8 * j);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(w[r], vr, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 inv = _mm256_set1_ps(row_scale[r]);
+    for (int j = 0; j < W; ++j) _mm256_storeu_ps(out_rows + r * out_ld + 8 * j, _mm256_mul_ps(acc[r][j], inv));
+  }
+}
 #endif
 
 // Per-thread buffers, grown as needed.
@@ -153,26 +231,30 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
   if (scratch.scores.size() < static_cast<size_t>(kMaxTileRows * padded)) scratch.scores.resize(kMaxTileRows * padded);
   float* scores = scratch.scores.data();
 #if defined(LOOM_AVX2_ATTENTION)
-  // scores[r][t] = q_r . k_t, 16 tokens at a time (two 8-lane hadd trees)
-  alignas(32) float qf[kMaxTileRows][D], part[kMaxTileRows][kLanes][8];
+  // scores[r][t] = q_r . k_t in tiles of kScoreRows rows x kScoreKeys keys
+  alignas(32) float qf[kMaxTileRows][D];
   for (int64_t r = 0; r < rows; ++r) {
     const T* qr = q + token_of(r) * p.q_row_stride + head_of(r) * D;
     scaled_row<2 * NV>(qr, p.scale, qf[r]);
   }
-  for (int64_t t0 = 0; t0 < tile_len; t0 += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, tile_len - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      if (t0 + i + kPrefetchTokens < tile_len)
-        prefetch_row<T, D>(kv + slots[t0 + i + kPrefetchTokens] * p.kv_slot_stride + k_off);
-      const T* k = kv + slots[t0 + i] * p.kv_slot_stride + k_off;
-      __m256 kr[2 * NV];
-      for (int j = 0; j < 2 * NV; ++j) kr[j] = load8(k + 8 * j);
-      for (int64_t r = 0; r < rows; ++r) _mm256_store_ps(part[r][i], dot_row<2 * NV>(kr, qf[r]));
+  for (int64_t t0 = 0; t0 < tile_len; t0 += kScoreKeys) {
+    const int64_t n = std::min<int64_t>(kScoreKeys, tile_len - t0);
+    const T* k[kScoreKeys];
+    for (int64_t c = 0; c < kScoreKeys; ++c) {
+      const int64_t t = t0 + std::min<int64_t>(c, n - 1);  // past n: a repeat, never stored
+      k[c] = kv + slots[t] * p.kv_slot_stride + k_off;
+      if (t0 + c + kPrefetchTokens < tile_len)
+        prefetch_row<T, D>(kv + slots[t0 + c + kPrefetchTokens] * p.kv_slot_stride + k_off);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = n; i < kLanes; ++i) _mm256_store_ps(part[r][i], _mm256_setzero_ps());
-      _mm256_storeu_ps(scores + r * padded + t0, sum_lanes_8(reinterpret_cast<const __m256*>(part[r][0])));
-      _mm256_storeu_ps(scores + r * padded + t0 + 8, sum_lanes_8(reinterpret_cast<const __m256*>(part[r][8])));
+    float* out_scores = scores + t0;
+    int64_t r = 0;
+    for (; r + kScoreRows <= rows; r += kScoreRows) {
+      if (n == kScoreKeys) score_tile<kScoreRows, kScoreKeys, D>(qf[r], k, out_scores + r * padded, padded);
+      else for (int64_t c = 0; c < n; ++c) score_tile<kScoreRows, 1, D>(qf[r], k + c, out_scores + r * padded + c, padded);
+    }
+    for (; r < rows; ++r) {
+      if (n == kScoreKeys) score_tile<1, kScoreKeys, D>(qf[r], k, out_scores + r * padded, padded);
+      else for (int64_t c = 0; c < n; ++c) score_tile<1, 1, D>(qf[r], k + c, out_scores + r * padded + c, padded);
     }
   }
 #else
@@ -205,6 +287,12 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     }
   }
 #endif
+#if defined(LOOM_AVX2_ATTENTION)
+  // unnormalised softmax of each row over the tokens it sees (0 past them); 1 / sum goes to the output
+  float row_scale[kMaxTileRows];
+  for (int64_t r = 0; r < rows; ++r)
+    row_scale[r] = softmax_row(scores + r * padded, first_pos + task.first_token + r / G + 1, padded);
+#else
   // softmax of each row over the tokens it sees; the rest of its (padded) row becomes 0
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t r = 0; r < rows; ++r) {
@@ -236,24 +324,27 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     }
   }
 
+#endif
 #if defined(LOOM_AVX2_ATTENTION)
-  // out_r = sum_t p[r][t] v_t over the tokens row r sees, one row's D-wide accumulator in registers
-  for (int64_t r = 0; r < rows; ++r) {
+  // out_r = sum_t p[r][t] v_t in tiles of kValueTileRows rows x 32 dims, over the tokens the
+  // tile's last row sees (the rows' probabilities are 0 past their own)
+  constexpr int W = D < 32 ? static_cast<int>(D / 8) : 4;  // registers per row of a value tile
+  static_assert(D % (8 * W) == 0, "value tiles split D evenly");
+  alignas(32) float o_rows[kMaxTileRows][D];
+  for (int64_t r = 0; r < rows; r += kValueTileRows) {
+    const int64_t nr = std::min<int64_t>(kValueTileRows, rows - r);
+    const int64_t len = first_pos + task.first_token + (r + nr - 1) / G + 1;
     const float* pr = scores + r * padded;
-    const int64_t len = first_pos + task.first_token + r / G + 1;
-    __m256 acc[2 * NV];
-    for (auto& a : acc) a = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      if (r == 0 && t + kPrefetchTokens < tile_len)
-        prefetch_row<T, D>(kv + slots[t + kPrefetchTokens] * p.kv_slot_stride + v_off);
-      const T* v = kv + slots[t] * p.kv_slot_stride + v_off;
-      const __m256 w = _mm256_broadcast_ss(pr + t);
-      for (int j = 0; j < 2 * NV; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
+    for (int64_t d = 0; d < D; d += 8 * W) {
+      const T* v = kv + v_off + d;
+      if (nr == 3) value_tile<3, W>(pr, row_scale + r, padded, v, slots, p.kv_slot_stride, len, o_rows[r] + d, D);
+      else if (nr == 2) value_tile<2, W>(pr, row_scale + r, padded, v, slots, p.kv_slot_stride, len, o_rows[r] + d, D);
+      else value_tile<1, W>(pr, row_scale + r, padded, v, slots, p.kv_slot_stride, len, o_rows[r] + d, D);
     }
-    alignas(32) float buf[D];
-    for (int j = 0; j < 2 * NV; ++j) _mm256_store_ps(buf + 8 * j, acc[j]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
     T* o = out + (token_of(r) * H + head_of(r)) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(buf[d]);
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(o_rows[r][d]);
   }
 #else
   // out_r = sum_t p[r][t] v_t, kValueRows rows per pass over V
