@@ -96,7 +96,6 @@ struct Problem {
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 using loom::add_lanes_8;
-using loom::sum_lanes_8;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of a float
@@ -110,24 +109,11 @@ inline float max_lanes_8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// q_row = src * scale as a float row (D = 8 NY), and the dot product of k (in registers) with
-// such a row: two accumulator chains, the row read from L1.
+// q_row = src * scale as a float row (D = 8 NY) in L1.
 template <int NY, typename T>
 inline void scaled_row(const T* src, float scale, float* q_row) {
   for (int j = 0; j < NY; ++j) _mm256_store_ps(q_row + 8 * j, _mm256_mul_ps(load8(src + 8 * j), _mm256_set1_ps(scale)));
 }
-
-template <int NY>
-inline __m256 dot_row(const __m256* k, const float* q_row) {
-  static_assert(NY % 2 == 0, "two accumulator chains");
-  __m256 s0 = _mm256_mul_ps(k[0], _mm256_load_ps(q_row)), s1 = _mm256_mul_ps(k[1], _mm256_load_ps(q_row + 8));
-  for (int j = 2; j < NY; j += 2) {
-    s0 = _mm256_fmadd_ps(k[j], _mm256_load_ps(q_row + 8 * j), s0);
-    s1 = _mm256_fmadd_ps(k[j + 1], _mm256_load_ps(q_row + 8 * j + 8), s1);
-  }
-  return _mm256_add_ps(s0, s1);
-}
-
 
 // Prompt tiles as small GEMMs, register-blocked: scores of kScoreRows query rows x kScoreKeys keys
 // (12 accumulators over D, 7 loads per 12 FMAs, where one row against one key loaded q from L1
@@ -182,6 +168,13 @@ inline void score_tile(const float* q_rows, const T* const* k, float* scores, in
     _mm_store_ps(four, sum_lanes_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     for (int c = 0; c < C; ++c) scores[r * ld + c] = four[c];
   }
+}
+
+// score_tile over n <= kScoreKeys keys (k[c] for c < n).
+template <int R, int64_t D, typename T>
+inline void score_tiles(const float* q_rows, const T* const* k, int64_t n, float* scores, int64_t ld) {
+  if (n == kScoreKeys) score_tile<R, kScoreKeys, D>(q_rows, k, scores, ld);
+  else for (int64_t c = 0; c < n; ++c) score_tile<R, 1, D>(q_rows, k + c, scores + c, ld);
 }
 
 // out_rows[r][0:8W] = row_scale[r] sum_t p[r][t] v_t[0:8W] over tokens [0, len) for R rows of
@@ -248,14 +241,8 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     }
     float* out_scores = scores + t0;
     int64_t r = 0;
-    for (; r + kScoreRows <= rows; r += kScoreRows) {
-      if (n == kScoreKeys) score_tile<kScoreRows, kScoreKeys, D>(qf[r], k, out_scores + r * padded, padded);
-      else for (int64_t c = 0; c < n; ++c) score_tile<kScoreRows, 1, D>(qf[r], k + c, out_scores + r * padded + c, padded);
-    }
-    for (; r < rows; ++r) {
-      if (n == kScoreKeys) score_tile<1, kScoreKeys, D>(qf[r], k, out_scores + r * padded, padded);
-      else for (int64_t c = 0; c < n; ++c) score_tile<1, 1, D>(qf[r], k + c, out_scores + r * padded + c, padded);
-    }
+    for (; r + kScoreRows <= rows; r += kScoreRows) score_tiles<kScoreRows, D>(qf[r], k, n, out_scores + r * padded, padded);
+    for (; r < rows; ++r) score_tiles<1, D>(qf[r], k, n, out_scores + r * padded, padded);
   }
 #else
   vf qs[kMaxTileRows][NV];
@@ -484,18 +471,18 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
 // attend_decode for AVX2: there a vf is two registers, and the generic kernel's per-head q and
 // accumulators (9 heads x 4 vf each) spill to the stack on every token (it ran at ~8 GB/s of KV,
 // a quarter of the memory's rate). Here q and the accumulators live in L1 arrays, one head's
-// D-wide row is in registers at a time, and 8-lane hadd trees turn 16 tokens' partial dot
-// products into scores. Same contract as attend_decode.
+// D-wide row is in registers at a time for the values, and scores come from the prompt path's
+// register tiles (a kv head's query heads x 4 tokens). Same contract as attend_decode.
 template <typename T, int NY>  // NY: 8-float registers per head row (D = 8 NY)
 void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
-  constexpr int64_t D = NY * 8, B = 16;  // tokens per block: two hadd trees of scores
+  constexpr int64_t D = NY * 8, B = 16;  // tokens per block (two registers of scores per head)
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, end = task.first_token + task.num_tokens, token = p.token_starts[row];
   const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
   const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(T));
   constexpr float kInf = std::numeric_limits<float>::infinity();
 
-  alignas(32) float qs[kMaxHeads][D], acc[kMaxHeads][D], part[kMaxHeads][B][8], prob[kMaxHeads][B];
+  alignas(32) float qs[kMaxHeads][D], acc[kMaxHeads][D], scores[kMaxHeads][B], prob[kMaxHeads][B];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
   for (int64_t h = 0; h < H; ++h) {
     scaled_row<NY>(q + token * p.q_row_stride + h * D, p.scale, qs[h]);
@@ -506,25 +493,26 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T*
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t t0 = begin; t0 < end; t0 += B) {
     const int64_t n = std::min<int64_t>(B, end - t0);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; ++i)
       if (t0 + i + kDecodeAhead < end) prefetch_slot(kv + slots[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
-      const T* k = kv + slots[t0 + i] * p.kv_slot_stride;
-      for (int64_t kh = 0; kh < KVH; ++kh) {
-        __m256 kr[NY];
-        for (int j = 0; j < NY; ++j) kr[j] = load8(k + kh * D + 8 * j);
-        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) _mm256_store_ps(part[h][i], dot_row<NY>(kr, qs[h]));
+    // scores[h][i] = q_h . k_i, a kv head's query heads x kScoreKeys tokens per tile
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      for (int64_t i0 = 0; i0 < n; i0 += kScoreKeys) {
+        const int64_t nk = std::min<int64_t>(kScoreKeys, n - i0);
+        const T* k[kScoreKeys];
+        for (int64_t c = 0; c < kScoreKeys; ++c)  // past nk: a repeat, never stored
+          k[c] = kv + slots[t0 + i0 + std::min(c, nk - 1)] * p.kv_slot_stride + kh * D;
+        int64_t h = kh * G;
+        for (; h + kScoreRows <= (kh + 1) * G; h += kScoreRows) score_tiles<kScoreRows, D>(qs[h], k, nk, scores[h] + i0, B);
+        for (; h < (kh + 1) * G; ++h) score_tiles<1, D>(qs[h], k, nk, scores[h] + i0, B);
       }
-    }
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = n; i < B; ++i) _mm256_store_ps(part[h][i], _mm256_setzero_ps());
     __m256 valid[2];  // the block's tokens (lanes past n: -inf scores, 0 probabilities)
     for (int b = 0; b < 2; ++b)
       valid[b] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - 8 * b)), lane));
     for (int64_t h = 0; h < H; ++h) {
       __m256 s[2], e[2];
       for (int b = 0; b < 2; ++b)
-        s[b] = _mm256_blendv_ps(_mm256_set1_ps(-kInf), sum_lanes_8(reinterpret_cast<const __m256*>(part[h][8 * b])),
-                                valid[b]);
+        s[b] = _mm256_blendv_ps(_mm256_set1_ps(-kInf), _mm256_load_ps(scores[h] + 8 * b), valid[b]);
       const float new_max = std::max(run_max[h], max_lanes_8(_mm256_max_ps(s[0], s[1])));
       for (int b = 0; b < 2; ++b) {
         v8f x;
