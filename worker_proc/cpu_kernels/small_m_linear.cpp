@@ -10,6 +10,8 @@
 // With VNNI, int8 and int4 quantize bfloat16 activations to int8 per 32 (llama.cpp's Q8) for
 // integer dot products.
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
+// AVX2-only builds also take float32 linears of 5-256 rows (linear_f32_rows: blocked dot products,
+// then packed panels), where torch's GEMM is slow with few rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -159,8 +159,8 @@ class CausalLM(nn.Module):
     def build_layer_stack(self) -> bool:
         """Hands the weights to the compiled layer stack, which then runs small steps from token
         ids to logits in one call: up to as many tokens as its linears take loom's kernels
-        (more for unquantized weights, Ops.dense_rows). Call after any weight change (loading, quantization).
-        Models with per-head q/k norms keep the Python path."""
+        (more for unquantized weights: Ops.dense_rows). Call after any weight change (loading,
+        quantization). Models with per-head q/k norms keep the Python path."""
         kernels = self.ops.kernels
         if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0:
             return False
