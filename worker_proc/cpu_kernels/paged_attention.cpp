@@ -97,11 +97,8 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 using loom::add_lanes_8;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the high half of a float
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
+using loom::load8;
+using loom::tile_dots;
 
 inline float max_lanes_8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -152,20 +149,17 @@ inline __m128 sum_lanes_4(__m256 a, __m256 b, __m256 c, __m256 d) {
 // scores[r * ld + c] = q_rows[r] . k[c] for R rows (L1 float rows of D) and C keys (pool rows).
 template <int R, int C, int64_t D, typename T>
 inline void score_tile(const float* q_rows, const T* const* k, float* scores, int64_t ld) {
-  __m256 acc[R][kScoreKeys];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kScoreKeys; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 qv[R];
-    for (int r = 0; r < R; ++r) qv[r] = _mm256_load_ps(q_rows + r * D + d);
-    for (int c = 0; c < C; ++c) {
-      const __m256 kv = load8(k[c] + d);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
-    }
-  }
+  const float* q[R];
+  for (int r = 0; r < R; ++r) q[r] = q_rows + r * D;
+  __m256 acc[R][C];
+  tile_dots<R, C>(q, k, D, acc);
+  static_assert(C <= kScoreKeys && kScoreKeys == 4, "one sum_lanes_4 per row");
   for (int r = 0; r < R; ++r) {
-    alignas(16) float four[4];
-    _mm_store_ps(four, sum_lanes_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    __m256 a[kScoreKeys];
+    for (int c = 0; c < C; ++c) a[c] = acc[r][c];
+    for (int c = C; c < kScoreKeys; ++c) a[c] = _mm256_setzero_ps();
+    alignas(16) float four[kScoreKeys];
+    _mm_store_ps(four, sum_lanes_4(a[0], a[1], a[2], a[3]));
     for (int c = 0; c < C; ++c) scores[r * ld + c] = four[c];
   }
 }

@@ -735,23 +735,17 @@ constexpr int64_t kDenseF32Rows = 256;
 constexpr int64_t kPanel = 16;     // W rows per packed panel (two registers of y per row of x)
 constexpr int64_t kPanelK = 256;   // inputs per panel: 16 KB, half of L1
 
-// y[i, n0 + r] = W[n0 + r] . x[i] for R rows of W and MX rows of x: 12 accumulators, 3 rows of x
-// and one of W fill AVX2's 16 registers.
+// y[i, n0 + r] = W[n0 + r] . x[i] for R rows of W streaming past MX rows of x (loom::tile_dots).
 template <int R, int MX>
 inline void dot_tile(const float* w, const float* x, int64_t k, float* y, int64_t n_out) {
-  __m256 acc[R][MX];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MX; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < k; j += 8) {
-    __m256 xv[MX];
-    for (int i = 0; i < MX; ++i) xv[i] = _mm256_loadu_ps(x + i * k + j);
-    for (int r = 0; r < R; ++r) {
-      const __m256 wv = _mm256_loadu_ps(w + r * k + j);
-      for (int i = 0; i < MX; ++i) acc[r][i] = _mm256_fmadd_ps(wv, xv[i], acc[r][i]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MX; ++i) y[i * n_out + r] = loom::add_lanes_8(acc[r][i]);
+  const float* xs[MX];
+  const float* ws[R];
+  for (int i = 0; i < MX; ++i) xs[i] = x + i * k;
+  for (int r = 0; r < R; ++r) ws[r] = w + r * k;
+  __m256 acc[MX][R];
+  loom::tile_dots<MX, R>(xs, ws, k, acc);
+  for (int i = 0; i < MX; ++i)
+    for (int r = 0; r < R; ++r) y[i * n_out + r] = loom::add_lanes_8(acc[i][r]);
 }
 
 // Rows [n0, n0 + R) of W against every row of x; the next block's rows are fetched meanwhile.

@@ -87,6 +87,30 @@ inline float add_lanes_8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// 8 floats from float or bfloat16 (bf16 is the high half of a float).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// acc[h][s] = held[h] . streamed[s] over k elements (a multiple of 8), one 8-lane partial sum
+// per pair: H rows stay in registers while S rows stream past them. 3 x 4 fills AVX2's 16
+// registers (12 accumulators, 3 held vectors, one streamed): 7 loads per 12 FMAs.
+template <int H, int S, typename A, typename B>
+inline void tile_dots(const A* const* held, const B* const* streamed, int64_t k, __m256 acc[H][S]) {
+  for (int h = 0; h < H; ++h)
+    for (int s = 0; s < S; ++s) acc[h][s] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 8) {
+    __m256 hv[H];
+    for (int h = 0; h < H; ++h) hv[h] = load8(held[h] + j);
+    for (int s = 0; s < S; ++s) {
+      const __m256 sv = load8(streamed[s] + j);
+      for (int h = 0; h < H; ++h) acc[h][s] = _mm256_fmadd_ps(hv[h], sv, acc[h][s]);
+    }
+  }
+}
 #endif
 
 }  // namespace loom
