@@ -117,16 +117,21 @@ inline void scaled_row(const T* src, float scale, float* q_row) {
 // for every FMA), and the values of kValueTileRows rows x 32 dims (8 loads per 12 FMAs).
 constexpr int kScoreRows = 3, kScoreKeys = 4, kValueTileRows = 3;
 
-// s[0:len) -> exp(s - max), 0 on to `padded` (a multiple of 8); returns 1 / their sum.
-inline float softmax_row(float* s, int64_t len, int64_t padded) {
+// The largest of s[0:len).
+inline float row_max(const float* s, int64_t len) {
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
   float m = max_lanes_8(mv);
   for (; t < len; ++t) m = std::max(m, s[t]);
+  return m;
+}
+
+// s[0:len) -> exp(s - m), 0 on to `padded` (a multiple of 8); returns their sum.
+inline float exp_row(float* s, int64_t len, int64_t padded, float m) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 sum = _mm256_setzero_ps();
-  for (t = 0; t < padded; t += 8) {
+  for (int64_t t = 0; t < padded; t += 8) {
     v8f x;
     const __m256 raw = _mm256_loadu_ps(s + t);
     std::memcpy(&x, &raw, sizeof(x));
@@ -137,8 +142,11 @@ inline float softmax_row(float* s, int64_t len, int64_t padded) {
     sum = _mm256_add_ps(sum, e);
     _mm256_storeu_ps(s + t, e);
   }
-  return 1.f / add_lanes_8(sum);
+  return add_lanes_8(sum);
 }
+
+// s[0:len) -> exp(s - max), 0 on to `padded`; returns 1 / their sum.
+inline float softmax_row(float* s, int64_t len, int64_t padded) { return 1.f / exp_row(s, len, padded, row_max(s, len)); }
 
 // The 4 lane sums of a, b, c, d.
 inline __m128 sum_lanes_4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -171,14 +179,13 @@ inline void score_tiles(const float* q_rows, const T* const* k, int64_t n, float
   else for (int64_t c = 0; c < n; ++c) score_tile<R, 1, D>(q_rows, k + c, scores + c, ld);
 }
 
-// out_rows[r][0:8W] = row_scale[r] sum_t p[r][t] v_t[0:8W] over tokens [0, len) for R rows of
-// (unnormalised) probabilities.
+// out_rows[r][0:8W] += sum_t p[r][t] v_t[0:8W] over tokens [0, len) for R rows of probabilities.
 template <int R, int W, typename T>
-inline void value_tile(const float* probs, const float* row_scale, int64_t ld, const T* kv, const int32_t* slots,
-                       int64_t slot_stride, int64_t len, float* out_rows, int64_t out_ld) {
+inline void value_tile(const float* probs, int64_t ld, const T* kv, const int32_t* slots, int64_t slot_stride,
+                       int64_t len, float* out_rows, int64_t out_ld) {
   __m256 acc[R][W];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_loadu_ps(out_rows + r * out_ld + 8 * j);
   for (int64_t t = 0; t < len; ++t) {
     const T* v = kv + slots[t] * slot_stride;
     __m256 w[R];  // (12 accumulators, 3 probabilities, one V register: AVX2's 16)
@@ -188,9 +195,20 @@ inline void value_tile(const float* probs, const float* row_scale, int64_t ld, c
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(w[r], vr, acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m256 inv = _mm256_set1_ps(row_scale[r]);
-    for (int j = 0; j < W; ++j) _mm256_storeu_ps(out_rows + r * out_ld + 8 * j, _mm256_mul_ps(acc[r][j], inv));
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) _mm256_storeu_ps(out_rows + r * out_ld + 8 * j, acc[r][j]);
+}
+
+// value_tile over nr <= kValueTileRows rows and all D dims of V (v: the kv head's V in slot 0).
+template <int64_t D, typename T>
+inline void value_rows(int64_t nr, const float* probs, int64_t ld, const T* v, const int32_t* slots,
+                       int64_t slot_stride, int64_t len, float* out_rows, int64_t out_ld) {
+  constexpr int W = D < 32 ? static_cast<int>(D / 8) : 4;  // registers per row of a tile
+  static_assert(D % (8 * W) == 0 && kValueTileRows == 3, "value tiles split D evenly; 3 rows at most");
+  for (int64_t d = 0; d < D; d += 8 * W) {
+    if (nr == 3) value_tile<3, W>(probs, ld, v + d, slots, slot_stride, len, out_rows + d, out_ld);
+    else if (nr == 2) value_tile<2, W>(probs, ld, v + d, slots, slot_stride, len, out_rows + d, out_ld);
+    else value_tile<1, W>(probs, ld, v + d, slots, slot_stride, len, out_rows + d, out_ld);
   }
 }
 #endif
@@ -309,23 +327,15 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
 #if defined(LOOM_AVX2_ATTENTION)
   // out_r = sum_t p[r][t] v_t in tiles of kValueTileRows rows x 32 dims, over the tokens the
   // tile's last row sees (the rows' probabilities are 0 past their own)
-  constexpr int W = D < 32 ? static_cast<int>(D / 8) : 4;  // registers per row of a value tile
-  static_assert(D % (8 * W) == 0, "value tiles split D evenly");
-  alignas(32) float o_rows[kMaxTileRows][D];
+  alignas(32) float o_rows[kMaxTileRows][D] = {};
   for (int64_t r = 0; r < rows; r += kValueTileRows) {
     const int64_t nr = std::min<int64_t>(kValueTileRows, rows - r);
     const int64_t len = first_pos + task.first_token + (r + nr - 1) / G + 1;
-    const float* pr = scores + r * padded;
-    for (int64_t d = 0; d < D; d += 8 * W) {
-      const T* v = kv + v_off + d;
-      if (nr == 3) value_tile<3, W>(pr, row_scale + r, padded, v, slots, p.kv_slot_stride, len, o_rows[r] + d, D);
-      else if (nr == 2) value_tile<2, W>(pr, row_scale + r, padded, v, slots, p.kv_slot_stride, len, o_rows[r] + d, D);
-      else value_tile<1, W>(pr, row_scale + r, padded, v, slots, p.kv_slot_stride, len, o_rows[r] + d, D);
-    }
+    value_rows<D>(nr, scores + r * padded, padded, kv + v_off, slots, p.kv_slot_stride, len, o_rows[r], D);
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* o = out + (token_of(r) * H + head_of(r)) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(o_rows[r][d]);
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(o_rows[r][d] * row_scale[r]);
   }
 #else
   // out_r = sum_t p[r][t] v_t, kValueRows rows per pass over V
@@ -462,82 +472,71 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
 }
 
 #if defined(LOOM_AVX2_ATTENTION)
-// attend_decode for AVX2: there a vf is two registers, and the generic kernel's per-head q and
-// accumulators (9 heads x 4 vf each) spill to the stack on every token (it ran at ~8 GB/s of KV,
-// a quarter of the memory's rate). Here q and the accumulators live in L1 arrays, one head's
-// D-wide row is in registers at a time for the values, and scores come from the prompt path's
-// register tiles (a kv head's query heads x 4 tokens). Same contract as attend_decode.
+// attend_decode for AVX2, where a vf is two registers and the generic kernel's per-head q and
+// accumulators spill to the stack on every token. Here the prompt path's register tiles do the
+// work, a block of kDecodeBlock tokens at a time: scores of a kv head's query heads x 4 tokens,
+// an online softmax per head over the block, then values in tiles of 3 heads x 32 dims (q,
+// probabilities and accumulators are L1 rows). Same contract as attend_decode.
+constexpr int64_t kDecodeBlock = 64;  // its slots (96 KB at 3 kv heads of 64) stay in L2 from scores to values
+constexpr int64_t kDecodeAheadAvx2 = 16;
+
+// The first line of a slot's K and of its V: the hardware prefetcher streams the rest of each.
+// Fetching every line of the slot (prefetch_slot) cost more issue slots than it saved on Zen 3:
+// decode at batch 128, context 400 read 15-16 GB/s of scattered slots that way, 17-19 with this
+// (the machine's limit for scattered 1.5 KB reads: ~20).
+inline void prefetch_slot_heads(const void* slot, int64_t bytes) {
+  __builtin_prefetch(slot, 0, 2);
+  __builtin_prefetch(static_cast<const char*>(slot) + bytes / 2, 0, 2);
+}
+
 template <typename T, int NY>  // NY: 8-float registers per head row (D = 8 NY)
 void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
-  constexpr int64_t D = NY * 8, B = 16;  // tokens per block (two registers of scores per head)
+  constexpr int64_t D = NY * 8, B = kDecodeBlock;
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, end = task.first_token + task.num_tokens, token = p.token_starts[row];
   const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
   const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(T));
-  constexpr float kInf = std::numeric_limits<float>::infinity();
 
-  alignas(32) float qs[kMaxHeads][D], acc[kMaxHeads][D], scores[kMaxHeads][B], prob[kMaxHeads][B];
+  alignas(32) float qs[kMaxHeads][D], acc[kMaxHeads][D], prob[kMaxHeads][B];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
   for (int64_t h = 0; h < H; ++h) {
     scaled_row<NY>(q + token * p.q_row_stride + h * D, p.scale, qs[h]);
-    for (int j = 0; j < NY; ++j) _mm256_store_ps(acc[h] + 8 * j, _mm256_setzero_ps());
-    run_max[h] = -kInf;
+    std::memset(acc[h], 0, sizeof(acc[h]));
+    run_max[h] = -std::numeric_limits<float>::infinity();
     run_sum[h] = 0.f;
   }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t t0 = begin; t0 < end; t0 += B) {
-    const int64_t n = std::min<int64_t>(B, end - t0);
-    for (int64_t i = 0; i < n; ++i)
-      if (t0 + i + kDecodeAhead < end) prefetch_slot(kv + slots[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
-    // scores[h][i] = q_h . k_i, a kv head's query heads x kScoreKeys tokens per tile
-    for (int64_t kh = 0; kh < KVH; ++kh)
-      for (int64_t i0 = 0; i0 < n; i0 += kScoreKeys) {
-        const int64_t nk = std::min<int64_t>(kScoreKeys, n - i0);
+    const int64_t n = std::min<int64_t>(B, end - t0), padded = (n + 7) / 8 * 8;
+    // prob[h][i] = q_h . k_i
+    for (int64_t i0 = 0; i0 < n; i0 += kScoreKeys) {
+      const int64_t nk = std::min<int64_t>(kScoreKeys, n - i0);
+      for (int64_t t = t0 + i0 + kDecodeAheadAvx2; t < std::min(t0 + i0 + nk + kDecodeAheadAvx2, end); ++t)
+        prefetch_slot_heads(kv + slots[t] * p.kv_slot_stride, slot_bytes);
+      for (int64_t kh = 0; kh < KVH; ++kh) {
         const T* k[kScoreKeys];
         for (int64_t c = 0; c < kScoreKeys; ++c)  // past nk: a repeat, never stored
           k[c] = kv + slots[t0 + i0 + std::min(c, nk - 1)] * p.kv_slot_stride + kh * D;
         int64_t h = kh * G;
-        for (; h + kScoreRows <= (kh + 1) * G; h += kScoreRows) score_tiles<kScoreRows, D>(qs[h], k, nk, scores[h] + i0, B);
-        for (; h < (kh + 1) * G; ++h) score_tiles<1, D>(qs[h], k, nk, scores[h] + i0, B);
+        for (; h + kScoreRows <= (kh + 1) * G; h += kScoreRows) score_tiles<kScoreRows, D>(qs[h], k, nk, prob[h] + i0, B);
+        for (; h < (kh + 1) * G; ++h) score_tiles<1, D>(qs[h], k, nk, prob[h] + i0, B);
       }
-    __m256 valid[2];  // the block's tokens (lanes past n: -inf scores, 0 probabilities)
-    for (int b = 0; b < 2; ++b)
-      valid[b] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - 8 * b)), lane));
+    }
+    // online softmax: the block's exps under a running max; what was summed before is rescaled
     for (int64_t h = 0; h < H; ++h) {
-      __m256 s[2], e[2];
-      for (int b = 0; b < 2; ++b)
-        s[b] = _mm256_blendv_ps(_mm256_set1_ps(-kInf), _mm256_load_ps(scores[h] + 8 * b), valid[b]);
-      const float new_max = std::max(run_max[h], max_lanes_8(_mm256_max_ps(s[0], s[1])));
-      for (int b = 0; b < 2; ++b) {
-        v8f x;
-        std::memcpy(&x, &s[b], sizeof(x));
-        x = x - new_max;
-        x = x > -87.f ? x : v8f{} - 87.f;  // (masked lanes: -inf -> -87, then zeroed below)
-        const __m256 ex = reinterpret_cast<__m256>(loom::vexp_lanes<v8f, v8i>(x));
-        e[b] = _mm256_and_ps(ex, valid[b]);
-        _mm256_store_ps(prob[h] + 8 * b, e[b]);
-      }
-      if (new_max != run_max[h]) {  // rescale what was summed under the old max
-        const float c = std::exp(run_max[h] - new_max);
-        run_sum[h] *= c;
+      const float new_max = std::max(run_max[h], row_max(prob[h], n));
+      const float c = std::exp(run_max[h] - new_max);  // 0 on the first block
+      run_sum[h] = run_sum[h] * c + exp_row(prob[h], n, padded, new_max);
+      if (c != 1.f) {
         const __m256 cv = _mm256_set1_ps(c);
         for (int j = 0; j < NY; ++j) _mm256_store_ps(acc[h] + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * j), cv));
-        run_max[h] = new_max;
       }
-      run_sum[h] += add_lanes_8(_mm256_add_ps(e[0], e[1]));
+      run_max[h] = new_max;
     }
-    // acc += p * v, one head's row in registers at a time (V rows re-read from L1 per head)
+    // acc += p * v, a kv head's query heads in tiles of kValueTileRows
     for (int64_t kh = 0; kh < KVH; ++kh)
-      for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-        __m256 a[NY];
-        for (int j = 0; j < NY; ++j) a[j] = _mm256_load_ps(acc[h] + 8 * j);
-        for (int64_t i = 0; i < n; ++i) {
-          const T* v = kv + slots[t0 + i] * p.kv_slot_stride + (KVH + kh) * D;
-          const __m256 w = _mm256_broadcast_ss(prob[h] + i);
-          for (int j = 0; j < NY; ++j) a[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), a[j]);
-        }
-        for (int j = 0; j < NY; ++j) _mm256_store_ps(acc[h] + 8 * j, a[j]);
-      }
+      for (int64_t h = kh * G; h < (kh + 1) * G; h += kValueTileRows)
+        value_rows<D>(std::min<int64_t>(kValueTileRows, (kh + 1) * G - h), prob[h], B, kv + (KVH + kh) * D,
+                      slots + t0, p.kv_slot_stride, n, acc[h], D);
   }
   for (int64_t h = 0; h < H; ++h) {
     float* o = partial + h * (D + 2);
