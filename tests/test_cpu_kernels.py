@@ -107,12 +107,12 @@ def test_rope_in_place_matches_torch(kernel, dtype, tol):
 
 # ---- small-M linears ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m", [5, 7, 47, 48, 49, 50, 53, 200, 300])
-@pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (33, 64), (7, 64)])
+@pytest.mark.parametrize("m", [5, 7, 16, 17, 18, 23, 47, 53, 200, 512, 515])
+@pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (33, 64), (40, 72), (7, 64)])
 def test_dense_float32_linear_at_every_row_count(kernel, m, n, k):
     """float32 linear_dense on as many rows as Ops hands it (dense_f32_rows), past it too: the
     blocked-dot and packed-panel paths of AVX2 builds, with row counts and output sizes that leave
-    partial tiles (m % 3, m % 6, n % 4, n % 16)."""
+    partial tiles (m % 3, m % 6, n % 4, n % 16) and a last chunk of inputs that is not whole cache lines."""
     torch.manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k), torch.randn(n, k) * 0.05
     torch.testing.assert_close(kernel.linear_dense(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)

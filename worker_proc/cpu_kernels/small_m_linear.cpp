@@ -10,7 +10,7 @@
 // With VNNI, int8 and int4 quantize bfloat16 activations to int8 per 32 (llama.cpp's Q8) for
 // integer dot products.
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
-// AVX2-only builds also take float32 linears of 5-256 rows (linear_f32_rows: blocked dot products,
+// AVX2-only builds also take float32 linears of 5-512 rows (linear_f32_rows: blocked dot products,
 // then packed panels), where torch's GEMM is slow with few rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -724,14 +724,16 @@ torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define LOOM_AVX2_DENSE 1
 // float32 linears with more rows of x than the weight stream needs, on AVX2 CPUs. Measured on Zen 3
-// (2 threads, weights from DRAM), torch's GEMM reaches 45-55 GFLOP/s at 16 rows and ~110 at 128,
-// the lm_head-sized one less; these two reach 70 / 130-140:
+// (2 threads, weights from DRAM, GFLOP/s at 16 / 64 / 128 / 256 rows): torch's GEMM 58 / 113 / 137
+// / 150, the lm_head-sized one 40 / 98 / 105 / 112; these two paths 83 / 150 / 167 / 167, and
+// 151 / 162 / 140 on the lm_head:
 //   up to kDotMaxRows rows: blocked dot products, 4 rows of W x 3 rows of x, no packing;
-//   up to kDenseF32Rows rows: W packed per call into panels of 16 transposed rows, a 6 x 16 tile
-//   of y per step (the classic broadcast kernel, no horizontal sums).
+//   up to kDenseF32Rows rows: W packed per call into panels of 16 transposed rows (8 x 8 register
+//   transposes, the next chunk prefetched while this one computes), a 6 x 16 tile of y per step
+//   (the classic broadcast kernel, no horizontal sums).
 // Above kDenseF32Rows torch's GEMM is as fast.
-constexpr int64_t kDotMaxRows = 48;
-constexpr int64_t kDenseF32Rows = 256;
+constexpr int64_t kDotMaxRows = 16;
+constexpr int64_t kDenseF32Rows = 512;
 constexpr int64_t kPanel = 16;     // W rows per packed panel (two registers of y per row of x)
 constexpr int64_t kPanelK = 256;   // inputs per panel: 16 KB, half of L1
 
@@ -788,6 +790,49 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + i * ldy + 8 * h, c[i][h]);
 }
 
+// dst[c * kPanel + r] = src[r * ld + c] for an 8 x 8 block (the classic unpack / shuffle / permute).
+inline void transpose_8x8(const float* src, int64_t ld, float* dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[i]: columns i (low half, rows 0-3) and i + 4 (high half); r[i + 4]: rows 4-7
+    _mm256_store_ps(dst + i * kPanel, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_store_ps(dst + (i + 4) * kPanel, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+// panel[kk][c] = W[row0 + c, k0 + kk] for kb inputs (kb % 8 == 0).
+inline void pack_panel(const float* w, int64_t k, int64_t row0, int64_t k0, int64_t kb, float* panel) {
+  for (int64_t c = 0; c < kPanel; c += 8)
+    for (int64_t kk = 0; kk < kb; kk += 8) transpose_8x8(w + (row0 + c) * k + k0 + kk, k, panel + kk * kPanel + c);
+}
+
+// Prefetches (into L2) the W lines of the panel chunk after this one, a share after each tile of
+// y: packing used to wait on DRAM for every chunk, ~25% of the time at 64 rows.
+struct NextChunkFetch {
+  const float* w;
+  int64_t k, row0, k0, lines_per_row, lines, tiles, issued = 0, tile = 0;
+  NextChunkFetch(const float* w, int64_t k, int64_t row0, int64_t k0, int64_t tiles)
+      : w(w), k(k), row0(row0), k0(k0), lines_per_row(std::min(kPanelK, k - k0) / 16),
+        lines(kPanel * lines_per_row), tiles(tiles) {}
+  void after_tile() {
+    const int64_t upto = lines * ++tile / tiles;
+    for (; issued < upto; ++issued) {
+      const float* line = w + (row0 + issued / lines_per_row) * k + k0 + 16 * (issued % lines_per_row);
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    }
+  }
+};
+
 void dense_f32_panels(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n_out) {
   const int64_t panels = n_out / kPanel;
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
@@ -795,15 +840,18 @@ void dense_f32_panels(const float* x, const float* w, float* y, int64_t m, int64
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
         const int64_t kb = std::min(kPanelK, k - k0);
-        for (int64_t c = 0; c < kPanel; ++c) {
-          const float* src = w + (p * kPanel + c) * k + k0;
-          for (int64_t kk = 0; kk < kb; ++kk) panel[kk * kPanel + c] = src[kk];
-        }
+        pack_panel(w, k, p * kPanel, k0, kb, panel);
+        const bool last_chunk = k0 + kPanelK >= k;
+        NextChunkFetch fetch(w, k, (last_chunk ? p + 1 : p) * kPanel, last_chunk ? 0 : k0 + kPanelK,
+                             last_chunk && p + 1 == end ? 0 : m / 6);
         float* yp = y + p * kPanel;
         const float* xp = x + k0;
         const bool first = k0 == 0;
         int64_t i = 0;
-        for (; i + 6 <= m; i += 6) panel_tile<6>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
+        for (; i + 6 <= m; i += 6) {
+          panel_tile<6>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
+          if (fetch.tiles) fetch.after_tile();
+        }
         switch (m - i) {
           case 5: panel_tile<5>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
           case 4: panel_tile<4>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
