@@ -98,6 +98,7 @@ class WeightStats:
     matmul_params: int  # logical weight parameters of every projection and the LM head
     bytes: int  # what the model holds for them (and its norms), as stored: dtype or quantized
     flops_per_token: float  # 2 x matmul_params; attention excluded
+    head_flops_per_token: float  # the LM head's share, which a prompt pays for its last token only
 
     @classmethod
     def of(cls, model: torch.nn.Module, config: Any) -> "WeightStats":
@@ -120,7 +121,7 @@ class WeightStats:
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     nbytes += t.numel() * t.element_size()
-        return cls(matmul, nbytes, 2.0 * matmul)
+        return cls(matmul, nbytes, 2.0 * matmul, 2.0 * c.vocab_size * c.hidden_size)
 
 
 def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -> Any:
@@ -214,11 +215,14 @@ def summarize_steps(batch_size: int, input_len: int, steps: list[Step]) -> dict[
 
 
 def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: float | None,
-                  gemm_rate_gflops: float | None) -> None:
+                  gemm_rate_gflops: float | None, input_len: int) -> None:
     """Bandwidth roof: a decode step streams all weights once for the whole batch. GEMM roof: the
-    weight FLOPs of each token at the probed GEMM rate. The roofline is the lower of the two."""
+    weight FLOPs of each token at the probed GEMM rate (a prompt's tokens skip the LM head but for
+    the last). The roofline is the lower of the two."""
     bw = row["batch_size"] * gemv_rate_gbs * 1e9 / weights.bytes if gemv_rate_gbs else None
     gemm = gemm_rate_gflops * 1e9 / weights.flops_per_token if gemm_rate_gflops else None
+    prompt_flops = weights.flops_per_token - weights.head_flops_per_token * (1 - 1 / input_len)
+    prefill_gemm = gemm_rate_gflops * 1e9 / prompt_flops if gemm_rate_gflops else None
     roof = min(x for x in (bw, gemm) if x is not None) if (bw or gemm) else None
     decode = row["decode_tok_s"]
 
@@ -229,7 +233,7 @@ def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: floa
         "bandwidth_roof_tok_s": bw, "gemm_roof_tok_s": gemm, "roof_tok_s": roof,
         "decode_pct_of_bandwidth_roof": pct(decode, bw), "decode_pct_of_gemm_roof": pct(decode, gemm),
         "decode_pct_of_roof": pct(decode, roof),
-        "prefill_gemm_roof_tok_s": gemm, "prefill_pct_of_gemm_roof": pct(row["prefill_tok_s"], gemm),
+        "prefill_gemm_roof_tok_s": prefill_gemm, "prefill_pct_of_gemm_roof": pct(row["prefill_tok_s"], prefill_gemm),
     })
 
 
@@ -343,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             bar.set_description(f"batch {bs}")
             requests = fixed_length_requests(tokenizer, [args.input_len] * bs, [args.output_len] * bs, args.seed)
             row = summarize_steps(bs, args.input_len, run_batch(runner, requests, bar))
-            add_rooflines(row, weights, gemv_rate, gemm_rate)
+            add_rooflines(row, weights, gemv_rate, gemm_rate, args.input_len)
             rows.append(row)
     print(format_rows(rows))
     if rows[0]["batch_size"] == 1 and batch1_limit and rows[0]["decode_tok_s"]:

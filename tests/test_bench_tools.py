@@ -59,6 +59,7 @@ def test_weight_stats_counts_a_tied_head_once_and_skips_an_untied_embedding():
         stats = WeightStats.of(model(tied), config)
         assert stats.matmul_params == per_layer + 32 * 8
         assert stats.flops_per_token == 2 * stats.matmul_params
+        assert stats.head_flops_per_token == 2 * 32 * 8
         assert stats.bytes == (8 * 8 + 32 * 8) * 2  # proj + head in bfloat16; the embedding never on its own
 
 
@@ -70,14 +71,16 @@ def test_step_summary_and_rooflines():
     assert row["decode_steps"] == 3 and row["decode_tok_s"] == pytest.approx(40.0)
     assert row["decode_step_ms_median"] == pytest.approx(100.0) and row["busy_fraction"] == pytest.approx(0.9)
 
-    weights = WeightStats(matmul_params=1000, bytes=1_000_000_000, flops_per_token=2e9)
-    add_rooflines(row, weights, gemv_rate_gbs=10.0, gemm_rate_gflops=100.0)
+    weights = WeightStats(matmul_params=1000, bytes=1_000_000_000, flops_per_token=2e9, head_flops_per_token=0.5e9)
+    add_rooflines(row, weights, gemv_rate_gbs=10.0, gemm_rate_gflops=100.0, input_len=100)
     assert row["bandwidth_roof_tok_s"] == pytest.approx(40.0)  # 4 rows x 10 GB/s / 1 GB
     assert row["gemm_roof_tok_s"] == pytest.approx(50.0)  # 100 GFLOP/s / 2 GFLOP
     assert row["roof_tok_s"] == pytest.approx(40.0)
     assert row["decode_pct_of_bandwidth_roof"] == pytest.approx(100.0)
     assert row["decode_pct_of_gemm_roof"] == pytest.approx(80.0)
-    assert row["prefill_pct_of_gemm_roof"] == pytest.approx(800.0)
+    # a prompt token: 2 GFLOP less the head's 0.5 but for 1 token in 100 -> 1.505 GFLOP
+    assert row["prefill_gemm_roof_tok_s"] == pytest.approx(100.0 / 1.505)
+    assert row["prefill_pct_of_gemm_roof"] == pytest.approx(400.0 * 1.505)
 
 
 def test_plots_write_pngs(tmp_path):
