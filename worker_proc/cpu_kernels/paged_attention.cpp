@@ -478,7 +478,7 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
 // an online softmax per head over the block, then values in tiles of 3 heads x 32 dims (q,
 // probabilities and accumulators are L1 rows). Same contract as attend_decode.
 constexpr int64_t kDecodeBlock = 64;  // its slots (96 KB at 3 kv heads of 64) stay in L2 from scores to values
-constexpr int64_t kDecodeAheadAvx2 = 16;
+constexpr int64_t kDecodeAheadAvx2 = 16;  // slots ahead that prefetch_slot_heads fetches
 
 // The first line of a slot's K and of its V: the hardware prefetcher streams the rest of each.
 // Fetching every line of the slot (prefetch_slot) cost more issue slots than it saved on Zen 3:

@@ -725,8 +725,8 @@ torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor
 #define LOOM_AVX2_DENSE 1
 // float32 linears with more rows of x than the weight stream needs, on AVX2 CPUs. Measured on Zen 3
 // (2 threads, weights from DRAM, GFLOP/s at 16 / 64 / 128 / 256 rows): torch's GEMM 58 / 113 / 137
-// / 150, the lm_head-sized one 40 / 98 / 105 / 112; these two paths 83 / 150 / 167 / 167, and
-// 151 / 162 / 140 on the lm_head:
+// / 150, the lm_head-sized one 40 / 98 / 105 / 112; these two paths 83 / 150 / 167 / 167, on the
+// lm_head 83 / 151 / 162 / 131-151:
 //   up to kDotMaxRows rows: blocked dot products, 4 rows of W x 3 rows of x, no packing;
 //   up to kDenseF32Rows rows: W packed per call into panels of 16 transposed rows (8 x 8 register
 //   transposes, the next chunk prefetched while this one computes), a 6 x 16 tile of y per step
