@@ -179,6 +179,18 @@ inline void score_tiles(const float* q_rows, const T* const* k, int64_t n, float
   else for (int64_t c = 0; c < n; ++c) score_tile<R, 1, D>(q_rows, k + c, scores + c, ld);
 }
 
+// scores[r * ld + i] = q_rows[r] . k_i for `rows` L1 rows of D (D apart) and n <= kScoreKeys keys,
+// key i at kv + slots[i] * slot_stride: tiles of kScoreRows rows, then single rows.
+template <int64_t D, typename T>
+inline void score_rows(const float* q_rows, int64_t rows, const T* kv, const int32_t* slots, int64_t slot_stride,
+                       int64_t n, float* scores, int64_t ld) {
+  const T* k[kScoreKeys];
+  for (int64_t c = 0; c < kScoreKeys; ++c) k[c] = kv + slots[std::min(c, n - 1)] * slot_stride;  // past n: a repeat, never stored
+  int64_t r = 0;
+  for (; r + kScoreRows <= rows; r += kScoreRows) score_tiles<kScoreRows, D>(q_rows + r * D, k, n, scores + r * ld, ld);
+  for (; r < rows; ++r) score_tiles<1, D>(q_rows + r * D, k, n, scores + r * ld, ld);
+}
+
 // out_rows[r][0:8W] += sum_t p[r][t] v_t[0:8W] over tokens [0, len) for R rows of probabilities.
 template <int R, int W, typename T>
 inline void value_tile(const float* probs, int64_t ld, const T* kv, const int32_t* slots, int64_t slot_stride,
@@ -243,18 +255,10 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     scaled_row<2 * NV>(qr, p.scale, qf[r]);
   }
   for (int64_t t0 = 0; t0 < tile_len; t0 += kScoreKeys) {
-    const int64_t n = std::min<int64_t>(kScoreKeys, tile_len - t0);
-    const T* k[kScoreKeys];
-    for (int64_t c = 0; c < kScoreKeys; ++c) {
-      const int64_t t = t0 + std::min<int64_t>(c, n - 1);  // past n: a repeat, never stored
-      k[c] = kv + slots[t] * p.kv_slot_stride + k_off;
-      if (t0 + c + kPrefetchTokens < tile_len)
-        prefetch_row<T, D>(kv + slots[t0 + c + kPrefetchTokens] * p.kv_slot_stride + k_off);
-    }
-    float* out_scores = scores + t0;
-    int64_t r = 0;
-    for (; r + kScoreRows <= rows; r += kScoreRows) score_tiles<kScoreRows, D>(qf[r], k, n, out_scores + r * padded, padded);
-    for (; r < rows; ++r) score_tiles<1, D>(qf[r], k, n, out_scores + r * padded, padded);
+    for (int64_t t = t0 + kPrefetchTokens; t < std::min<int64_t>(t0 + kScoreKeys + kPrefetchTokens, tile_len); ++t)
+      prefetch_row<T, D>(kv + slots[t] * p.kv_slot_stride + k_off);
+    score_rows<D>(qf[0], rows, kv + k_off, slots + t0, p.kv_slot_stride, std::min<int64_t>(kScoreKeys, tile_len - t0),
+                  scores + t0, padded);
   }
 #else
   vf qs[kMaxTileRows][NV];
@@ -512,14 +516,8 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T*
       const int64_t nk = std::min<int64_t>(kScoreKeys, n - i0);
       for (int64_t t = t0 + i0 + kDecodeAheadAvx2; t < std::min(t0 + i0 + nk + kDecodeAheadAvx2, end); ++t)
         prefetch_slot_heads(kv + slots[t] * p.kv_slot_stride, slot_bytes);
-      for (int64_t kh = 0; kh < KVH; ++kh) {
-        const T* k[kScoreKeys];
-        for (int64_t c = 0; c < kScoreKeys; ++c)  // past nk: a repeat, never stored
-          k[c] = kv + slots[t0 + i0 + std::min(c, nk - 1)] * p.kv_slot_stride + kh * D;
-        int64_t h = kh * G;
-        for (; h + kScoreRows <= (kh + 1) * G; h += kScoreRows) score_tiles<kScoreRows, D>(qs[h], k, nk, prob[h] + i0, B);
-        for (; h < (kh + 1) * G; ++h) score_tiles<1, D>(qs[h], k, nk, prob[h] + i0, B);
-      }
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        score_rows<D>(qs[kh * G], G, kv + kh * D, slots + t0 + i0, p.kv_slot_stride, nk, prob[kh * G] + i0, B);
     }
     // online softmax: the block's exps under a running max; what was summed before is rescaled
     for (int64_t h = 0; h < H; ++h) {

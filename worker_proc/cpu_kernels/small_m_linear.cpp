@@ -824,7 +824,8 @@ struct NextChunkFetch {
   NextChunkFetch(const float* w, int64_t k, int64_t row0, int64_t k0, int64_t tiles)
       : w(w), k(k), row0(row0), k0(k0), lines_per_row(std::min(kPanelK, k - k0) / 16),
         lines(kPanel * lines_per_row), tiles(tiles) {}
-  void after_tile() {
+  void after_tile() {  // tiles == 0: nothing comes next
+    if (tiles == 0) return;
     const int64_t upto = lines * ++tile / tiles;
     for (; issued < upto; ++issued) {
       const float* line = w + (row0 + issued / lines_per_row) * k + k0 + 16 * (issued % lines_per_row);
@@ -850,7 +851,7 @@ void dense_f32_panels(const float* x, const float* w, float* y, int64_t m, int64
         int64_t i = 0;
         for (; i + 6 <= m; i += 6) {
           panel_tile<6>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
-          if (fetch.tiles) fetch.after_tile();
+          fetch.after_tile();
         }
         switch (m - i) {
           case 5: panel_tile<5>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
