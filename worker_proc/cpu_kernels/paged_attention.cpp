@@ -89,6 +89,12 @@ struct Problem {
   float scale;
 };
 
+// Per-thread buffers, grown as needed.
+struct Scratch {
+  std::vector<float> scores;  // [tile rows, padded length]
+  std::vector<float> zeros;   // probabilities of the padding rows of the last value group
+};
+
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define LOOM_AVX2_ATTENTION 1
 // On AVX2 a vf is two registers: arrays of them per query head spill to the stack, so the AVX2
@@ -144,9 +150,6 @@ inline float exp_row(float* s, int64_t len, int64_t padded, float m) {
   }
   return add_lanes_8(sum);
 }
-
-// s[0:len) -> exp(s - max), 0 on to `padded`; returns 1 / their sum.
-inline float softmax_row(float* s, int64_t len, int64_t padded) { return 1.f / exp_row(s, len, padded, row_max(s, len)); }
 
 // The 4 lane sums of a, b, c, d.
 inline __m128 sum_lanes_4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -223,14 +226,153 @@ inline void value_rows(int64_t nr, const float* probs, int64_t ld, const T* v, c
     else value_tile<1, W>(probs, ld, v + d, slots, slot_stride, len, out_rows + d, out_ld);
   }
 }
+
+// Prompt tasks on AVX2, flash-attention style: the task's rows (its tokens x the kv head's query
+// heads) go through the keys a block of kFlashKeys at a time. The block's K is transposed into an
+// L1 panel, so its scores are a small GEMM without horizontal sums (register tiles of 6 rows x 16
+// keys: 8 loads per 12 FMAs); an online softmax rescales each output row, which then gains the
+// block's P V in tiles of 6 rows x 16 dims. q (scaled, 6 rows interleaved), the block's scores
+// and the output rows are per-thread float buffers.
+constexpr int64_t kFlashKeys = 64;
+constexpr int kFlashRows = 6;
+constexpr int kPromptTileRows = 48;  // rows per prompt task: 16 tokens of 3 query heads
+
+// kt[d * kFlashKeys + c] = k[c][d] for c < n, 0 for n <= c < padded (a multiple of 8).
+template <int64_t D, typename T>
+inline void transpose_keys(const T* const* k, int64_t n, int64_t padded, float* kt) {
+  for (int64_t c0 = 0; c0 < padded; c0 += 8) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = c0 + i < n ? load8(k[c0 + i] + d0) : _mm256_setzero_ps();
+      loom::transpose_8x8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(kt + (d0 + j) * kFlashKeys + c0, r[j]);
+    }
+  }
+}
+
+// s[i * kFlashKeys + c] = sum_d qt[d * kFlashRows + i] * kt[d * kFlashKeys + c]: 6 rows x 16 keys.
+template <int64_t D>
+inline void flash_score_tile(const float* qt, const float* kt, float* s) {
+  __m256 acc[kFlashRows][2];
+  for (int i = 0; i < kFlashRows; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 b0 = _mm256_loadu_ps(kt + d * kFlashKeys), b1 = _mm256_loadu_ps(kt + d * kFlashKeys + 8);
+    for (int i = 0; i < kFlashRows; ++i) {
+      const __m256 a = _mm256_broadcast_ss(qt + d * kFlashRows + i);
+      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < kFlashRows; ++i) {
+    _mm256_storeu_ps(s + i * kFlashKeys, acc[i][0]);
+    _mm256_storeu_ps(s + i * kFlashKeys + 8, acc[i][1]);
+  }
+}
+
+// o[i * D + j] += sum_{t < n} p[i * kFlashKeys + t] * v[t][j] for 6 rows and the 16 dims j from v[t].
+template <int64_t D, typename T>
+inline void flash_value_tile(const float* p, const T* const* v, int64_t d0, int64_t n, float* o) {
+  __m256 acc[kFlashRows][2];
+  for (int i = 0; i < kFlashRows; ++i)
+    for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_loadu_ps(o + i * D + d0 + 8 * h);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 b0 = load8(v[t] + d0), b1 = load8(v[t] + d0 + 8);
+    for (int i = 0; i < kFlashRows; ++i) {
+      const __m256 a = _mm256_broadcast_ss(p + i * kFlashKeys + t);
+      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < kFlashRows; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(o + i * D + d0 + 8 * h, acc[i][h]);
+}
+
+template <typename T, int64_t D>
+void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const T* kv, T* out, Scratch& scratch) {
+  static_assert(D % 16 == 0, "value tiles are 16 dims");
+  const int64_t G = p.group, H = p.num_heads;
+  const int64_t rows = task.num_tokens * G;
+  const int64_t tiles = (rows + kFlashRows - 1) / kFlashRows, padded_rows = tiles * kFlashRows;
+  const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
+  // keys seen by the task's first token; token i of the task sees i more
+  const int64_t first_seen = p.seq_lens[task.row] - p.extend_lens[task.row] + task.first_token + 1;
+  const int64_t tile_len = first_seen + task.num_tokens - 1;
+  const int64_t k_off = task.kv_head * D, v_off = (p.num_kv_heads + task.kv_head) * D;
+  auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
+  auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
+
+  const size_t need = static_cast<size_t>(padded_rows * (2 * D + kFlashKeys) + D * kFlashKeys);
+  if (scratch.scores.size() < need) scratch.scores.resize(need);
+  float* qt = scratch.scores.data();          // [tiles][D][kFlashRows]
+  float* o = qt + padded_rows * D;            // [padded_rows][D]
+  float* s = o + padded_rows * D;             // [padded_rows][kFlashKeys]
+  float* kt = s + padded_rows * kFlashKeys;   // [D][kFlashKeys]
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    float* dst = qt + (r / kFlashRows) * D * kFlashRows + r % kFlashRows;
+    if (r < rows) {
+      const T* src = q + token_of(r) * p.q_row_stride + head_of(r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d * kFlashRows] = static_cast<float>(src[d]) * p.scale;
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[d * kFlashRows] = 0.f;
+    }
+  }
+  std::fill(o, o + padded_rows * D, 0.f);
+  float row_max_so_far[kPromptTileRows], row_sum[kPromptTileRows];
+  std::fill(row_max_so_far, row_max_so_far + rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + rows, 0.f);
+
+  const T* k[kFlashKeys];
+  const T* v[kFlashKeys];
+  for (int64_t t0 = 0; t0 < tile_len; t0 += kFlashKeys) {
+    const int64_t n = std::min(kFlashKeys, tile_len - t0), padded = (n + 15) / 16 * 16;
+    for (int64_t c = 0; c < n; ++c) {
+      const T* slot = kv + slots[t0 + c] * p.kv_slot_stride;
+      k[c] = slot + k_off;
+      v[c] = slot + v_off;
+    }
+    for (int64_t t = t0 + n; t < std::min(t0 + n + kFlashKeys, tile_len); ++t) {  // the next block
+      const T* slot = kv + slots[t] * p.kv_slot_stride;
+      prefetch_row<T, D>(slot + k_off);
+      prefetch_row<T, D>(slot + v_off);
+    }
+    transpose_keys<D>(k, n, padded, kt);
+    for (int64_t i = 0; i < tiles; ++i)
+      for (int64_t c0 = 0; c0 < padded; c0 += 16)
+        flash_score_tile<D>(qt + i * D * kFlashRows, kt + c0, s + i * kFlashRows * kFlashKeys + c0);
+    // online softmax: the block's scores become exp(s - running max), 0 past what the row sees
+    for (int64_t r = 0; r < padded_rows; ++r) {
+      float* sr = s + r * kFlashKeys;
+      const int64_t seen = r < rows ? std::min(n, first_seen + r / G - t0) : 0;
+      if (seen <= 0) {
+        std::fill(sr, sr + padded, 0.f);
+        continue;
+      }
+      const float top = std::max(row_max_so_far[r], row_max(sr, seen));
+      const float sum = exp_row(sr, seen, padded, top);
+      if (row_max_so_far[r] != top && t0 > 0) {
+        const __m256 c = _mm256_set1_ps(std::exp(row_max_so_far[r] - top));
+        row_sum[r] *= _mm256_cvtss_f32(c);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(c, _mm256_loadu_ps(o + r * D + d)));
+      }
+      row_sum[r] += sum;
+      row_max_so_far[r] = top;
+    }
+    for (int64_t i = 0; i < tiles; ++i)
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        flash_value_tile<D>(s + i * kFlashRows * kFlashKeys, v, d0, n, o + i * kFlashRows * D);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (token_of(r) * H + head_of(r)) * D;
+    const float inv = 1.f / row_sum[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
+  }
+}
 #endif
 
-// Per-thread buffers, grown as needed.
-struct Scratch {
-  std::vector<float> scores;  // [tile rows, padded length]
-  std::vector<float> zeros;   // probabilities of the padding rows of the last value group
-};
 
+#if !defined(LOOM_AVX2_ATTENTION)
+// Prompt tasks (AVX-512 and other builds): every row's scores over the keys it sees, then one
+// pass over V per kValueRows rows.
 template <typename T, int NV>
 void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T* out, Scratch& scratch) {
   constexpr int64_t D = NV * kLanes;
@@ -247,20 +389,6 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
 
   if (scratch.scores.size() < static_cast<size_t>(kMaxTileRows * padded)) scratch.scores.resize(kMaxTileRows * padded);
   float* scores = scratch.scores.data();
-#if defined(LOOM_AVX2_ATTENTION)
-  // scores[r][t] = q_r . k_t in tiles of kScoreRows rows x kScoreKeys keys
-  alignas(32) float qf[kMaxTileRows][D];
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* qr = q + token_of(r) * p.q_row_stride + head_of(r) * D;
-    scaled_row<2 * NV>(qr, p.scale, qf[r]);
-  }
-  for (int64_t t0 = 0; t0 < tile_len; t0 += kScoreKeys) {
-    for (int64_t t = t0 + kPrefetchTokens; t < std::min<int64_t>(t0 + kScoreKeys + kPrefetchTokens, tile_len); ++t)
-      prefetch_row<T, D>(kv + slots[t] * p.kv_slot_stride + k_off);
-    score_rows<D>(qf[0], rows, kv + k_off, slots + t0, p.kv_slot_stride, std::min<int64_t>(kScoreKeys, tile_len - t0),
-                  scores + t0, padded);
-  }
-#else
   vf qs[kMaxTileRows][NV];
   for (int64_t r = 0; r < rows; ++r) {
     const T* qr = q + token_of(r) * p.q_row_stride + head_of(r) * D;
@@ -289,13 +417,6 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
       std::memcpy(scores + r * padded + t0, &s, sizeof(s));
     }
   }
-#endif
-#if defined(LOOM_AVX2_ATTENTION)
-  // unnormalised softmax of each row over the tokens it sees (0 past them); 1 / sum goes to the output
-  float row_scale[kMaxTileRows];
-  for (int64_t r = 0; r < rows; ++r)
-    row_scale[r] = softmax_row(scores + r * padded, first_pos + task.first_token + r / G + 1, padded);
-#else
   // softmax of each row over the tokens it sees; the rest of its (padded) row becomes 0
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t r = 0; r < rows; ++r) {
@@ -327,21 +448,6 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     }
   }
 
-#endif
-#if defined(LOOM_AVX2_ATTENTION)
-  // out_r = sum_t p[r][t] v_t in tiles of kValueTileRows rows x 32 dims, over the tokens the
-  // tile's last row sees (the rows' probabilities are 0 past their own)
-  alignas(32) float o_rows[kMaxTileRows][D] = {};
-  for (int64_t r = 0; r < rows; r += kValueTileRows) {
-    const int64_t nr = std::min<int64_t>(kValueTileRows, rows - r);
-    const int64_t len = first_pos + task.first_token + (r + nr - 1) / G + 1;
-    value_rows<D>(nr, scores + r * padded, padded, kv + v_off, slots, p.kv_slot_stride, len, o_rows[r], D);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* o = out + (token_of(r) * H + head_of(r)) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(o_rows[r][d] * row_scale[r]);
-  }
-#else
   // out_r = sum_t p[r][t] v_t, kValueRows rows per pass over V
   if (scratch.zeros.size() < static_cast<size_t>(padded)) scratch.zeros.assign(padded, 0.f);
   for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
@@ -365,8 +471,8 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(buf[d]);
     }
   }
-#endif
 }
+#endif
 
 constexpr int kMaxHeads = 32;
 constexpr int64_t kDecodeAhead = 8;  // slots fetched ahead by the decode path (whole slots: K and V of every head)
@@ -747,11 +853,18 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
         continue;
       }
       switch (D) {
-        case 16: attend_tile<T, 1>(p, tasks[i], q, kv, out, scratch); break;
-        case 32: attend_tile<T, 2>(p, tasks[i], q, kv, out, scratch); break;
-        case 64: attend_tile<T, 4>(p, tasks[i], q, kv, out, scratch); break;
-        case 128: attend_tile<T, 8>(p, tasks[i], q, kv, out, scratch); break;
-        default: attend_tile_generic<T>(p, tasks[i], D, q, kv, out, scratch);
+#if defined(LOOM_AVX2_ATTENTION)
+        case 16: attend_prompt_avx2<T, 16>(p, task, q, kv, out, scratch); break;
+        case 32: attend_prompt_avx2<T, 32>(p, task, q, kv, out, scratch); break;
+        case 64: attend_prompt_avx2<T, 64>(p, task, q, kv, out, scratch); break;
+        case 128: attend_prompt_avx2<T, 128>(p, task, q, kv, out, scratch); break;
+#else
+        case 16: attend_tile<T, 1>(p, task, q, kv, out, scratch); break;
+        case 32: attend_tile<T, 2>(p, task, q, kv, out, scratch); break;
+        case 64: attend_tile<T, 4>(p, task, q, kv, out, scratch); break;
+        case 128: attend_tile<T, 8>(p, task, q, kv, out, scratch); break;
+#endif
+        default: attend_tile_generic<T>(p, task, D, q, kv, out, scratch);
       }
     }
     // each decode row: its parts' sums, rescaled to their common max, then normalised
@@ -821,10 +934,15 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   plan->head_dim = D;
   plan->dtype = kv.scalar_type();
   const Problem& p = plan->problem;
-  // Tiles of as many tokens as fit kMaxTileRows query-head rows (at least one token).
-  const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / group);
-  TORCH_CHECK(group <= kMaxTileRows || (D != 16 && D != 32 && D != 64 && D != 128),
-              "more than 16 query heads per kv head");
+#if defined(LOOM_AVX2_ATTENTION)
+  constexpr int64_t kTileRows = kPromptTileRows;
+#else
+  constexpr int64_t kTileRows = kMaxTileRows;
+#endif
+  // Tiles of as many tokens as fit kTileRows query-head rows (at least one token).
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+  TORCH_CHECK(group <= kTileRows || (D != 16 && D != 32 && D != 64 && D != 128),
+              "more query heads per kv head than a prompt tile holds");
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
   std::vector<Task>& tasks = plan->tasks;
   std::vector<int64_t> decodes;

@@ -790,24 +790,12 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + i * ldy + 8 * h, c[i][h]);
 }
 
-// dst[c * kPanel + r] = src[r * ld + c] for an 8 x 8 block (the classic unpack / shuffle / permute).
+// dst[c * kPanel + r] = src[r * ld + c] for an 8 x 8 block.
 inline void transpose_8x8(const float* src, int64_t ld, float* dst) {
-  __m256 r[8], t[8];
+  __m256 r[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[i]: columns i (low half, rows 0-3) and i + 4 (high half); r[i + 4]: rows 4-7
-    _mm256_store_ps(dst + i * kPanel, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-    _mm256_store_ps(dst + (i + 4) * kPanel, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-  }
+  loom::transpose_8x8(r);
+  for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + i * kPanel, r[i]);
 }
 
 // panel[kk][c] = W[row0 + c, k0 + kk] for kb inputs (kb % 8 == 0).

@@ -95,6 +95,27 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+// r[i][j] <-> r[j][i] for 8 registers of 8 floats (unpack, shuffle, then swap 128-bit halves).
+inline void transpose_8x8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  // r[i], i < 4: column i of rows 0-3 (low half) and column i + 4 (high half); r[i + 4]: rows 4-7
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
 // acc[h][s] = held[h] . streamed[s] over k elements (a multiple of 8), one 8-lane partial sum
 // per pair: H rows stay in registers while S rows stream past them. 3 x 4 fills AVX2's 16
 // registers (12 accumulators, 3 held vectors, one streamed): 7 loads per 12 FMAs.
