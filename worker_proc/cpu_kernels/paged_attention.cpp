@@ -5,10 +5,11 @@
 // chunks (over a cached prefix) take the same path.
 //
 // One task per (row, kv head, tile of query tokens). A tile's rows are its tokens times the query
-// heads of the kv head (GQA), so every K/V row read from the pool serves all of them. Scores come
-// from 16-lane partial dot products that are transposed and summed 16 tokens at a time (no
-// horizontal sum per token), then a float32 softmax, then probabilities times V with the
-// accumulators in registers. The vectors are GCC vector types: AVX-512 or AVX2 code from one source.
+// heads of the kv head (GQA), so every K/V row read from the pool serves all of them. On AVX-512,
+// scores come from 16-lane partial dot products that are transposed and summed 16 tokens at a
+// time (no horizontal sum per token), then a float32 softmax, then probabilities times V with the
+// accumulators in registers (GCC vector types). AVX2 builds run prompts flash-attention style
+// (attend_prompt_avx2) and decodes in blocks (attend_decode_avx2).
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -118,9 +119,9 @@ inline void scaled_row(const T* src, float scale, float* q_row) {
   for (int j = 0; j < NY; ++j) _mm256_store_ps(q_row + 8 * j, _mm256_mul_ps(load8(src + 8 * j), _mm256_set1_ps(scale)));
 }
 
-// Prompt tiles as small GEMMs, register-blocked: scores of kScoreRows query rows x kScoreKeys keys
+// Decode tiles as small GEMMs, register-blocked: scores of kScoreRows query heads x kScoreKeys keys
 // (12 accumulators over D, 7 loads per 12 FMAs, where one row against one key loaded q from L1
-// for every FMA), and the values of kValueTileRows rows x 32 dims (8 loads per 12 FMAs).
+// for every FMA), and the values of kValueTileRows heads x 32 dims (8 loads per 12 FMAs).
 constexpr int kScoreRows = 3, kScoreKeys = 4, kValueTileRows = 3;
 
 // The largest of s[0:len).
@@ -583,10 +584,10 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
 
 #if defined(LOOM_AVX2_ATTENTION)
 // attend_decode for AVX2, where a vf is two registers and the generic kernel's per-head q and
-// accumulators spill to the stack on every token. Here the prompt path's register tiles do the
-// work, a block of kDecodeBlock tokens at a time: scores of a kv head's query heads x 4 tokens,
-// an online softmax per head over the block, then values in tiles of 3 heads x 32 dims (q,
-// probabilities and accumulators are L1 rows). Same contract as attend_decode.
+// accumulators spill to the stack on every token. Here the register tiles above (score_rows,
+// value_rows) do the work, a block of kDecodeBlock tokens at a time: scores of a kv head's query
+// heads x 4 tokens, an online softmax per head over the block, then values in tiles of 3 heads x
+// 32 dims (q, probabilities and accumulators are L1 rows). Same contract as attend_decode.
 constexpr int64_t kDecodeBlock = 64;  // its slots (96 KB at 3 kv heads of 64) stay in L2 from scores to values
 constexpr int64_t kDecodeAheadAvx2 = 16;  // slots ahead that prefetch_slot_heads fetches
 
