@@ -92,8 +92,8 @@ struct Problem {
 
 // Per-thread buffers, grown as needed.
 struct Scratch {
-  std::vector<float> scores;  // [tile rows, padded length]
-  std::vector<float> zeros;   // probabilities of the padding rows of the last value group
+  std::vector<float> scores;  // [tile rows, padded length]; AVX2: attend_prompt_avx2's q, output, block scores, K panel
+  std::vector<float> zeros;   // probabilities of the padding rows of the last value group (not AVX2)
 };
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
