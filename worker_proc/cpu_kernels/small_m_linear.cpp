@@ -55,10 +55,7 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline float vsum(Vec a) { return loom::add_lanes_8(a); }
 inline Vec load_f32(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load_bf16(const uint16_t* p) {
-  __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-}
+inline Vec load_bf16(const uint16_t* p) { return loom::load8(reinterpret_cast<const c10::BFloat16*>(p)); }
 inline Vec load_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
