@@ -251,43 +251,6 @@ inline void transpose_keys(const T* const* k, int64_t n, int64_t padded, float* 
   }
 }
 
-// s[i * kFlashKeys + c] = sum_d qt[d * kFlashRows + i] * kt[d * kFlashKeys + c]: 6 rows x 16 keys.
-template <int64_t D>
-inline void flash_score_tile(const float* qt, const float* kt, float* s) {
-  __m256 acc[kFlashRows][2];
-  for (int i = 0; i < kFlashRows; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m256 b0 = _mm256_loadu_ps(kt + d * kFlashKeys), b1 = _mm256_loadu_ps(kt + d * kFlashKeys + 8);
-    for (int i = 0; i < kFlashRows; ++i) {
-      const __m256 a = _mm256_broadcast_ss(qt + d * kFlashRows + i);
-      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < kFlashRows; ++i) {
-    _mm256_storeu_ps(s + i * kFlashKeys, acc[i][0]);
-    _mm256_storeu_ps(s + i * kFlashKeys + 8, acc[i][1]);
-  }
-}
-
-// o[i * D + j] += sum_{t < n} p[i * kFlashKeys + t] * v[t][j] for 6 rows and the 16 dims j from v[t].
-template <int64_t D, typename T>
-inline void flash_value_tile(const float* p, const T* const* v, int64_t d0, int64_t n, float* o) {
-  __m256 acc[kFlashRows][2];
-  for (int i = 0; i < kFlashRows; ++i)
-    for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_loadu_ps(o + i * D + d0 + 8 * h);
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 b0 = load8(v[t] + d0), b1 = load8(v[t] + d0 + 8);
-    for (int i = 0; i < kFlashRows; ++i) {
-      const __m256 a = _mm256_broadcast_ss(p + i * kFlashKeys + t);
-      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < kFlashRows; ++i)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(o + i * D + d0 + 8 * h, acc[i][h]);
-}
-
 template <typename T, int64_t D>
 void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const T* kv, T* out, Scratch& scratch) {
   static_assert(D % 16 == 0, "value tiles are 16 dims");
@@ -337,9 +300,16 @@ void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const T*
       prefetch_row<T, D>(slot + v_off);
     }
     transpose_keys<D>(k, n, padded, kt);
-    for (int64_t i = 0; i < tiles; ++i)
-      for (int64_t c0 = 0; c0 < padded; c0 += 16)
-        flash_score_tile<D>(qt + i * D * kFlashRows, kt + c0, s + i * kFlashRows * kFlashKeys + c0);
+    // s[r][c] = sum_d qt[d][r] kt[d][c]: tiles of 6 rows x 16 keys
+    for (int64_t c0 = 0; c0 < padded; c0 += 16) {
+      auto load_keys = [kt, c0](int64_t d, __m256& b0, __m256& b1) __attribute__((always_inline)) {
+        b0 = _mm256_loadu_ps(kt + d * kFlashKeys + c0);
+        b1 = _mm256_loadu_ps(kt + d * kFlashKeys + c0 + 8);
+      };
+      for (int64_t i = 0; i < tiles; ++i)
+        loom::broadcast_tile_16<kFlashRows>(qt + i * D * kFlashRows, 1, kFlashRows, D, load_keys,
+                                            s + i * kFlashRows * kFlashKeys + c0, kFlashKeys, false);
+    }
     // online softmax: the block's scores become exp(s - running max), 0 past what the row sees
     for (int64_t r = 0; r < padded_rows; ++r) {
       float* sr = s + r * kFlashKeys;
@@ -358,9 +328,16 @@ void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const T*
       row_sum[r] += sum;
       row_max_so_far[r] = top;
     }
-    for (int64_t i = 0; i < tiles; ++i)
-      for (int64_t d0 = 0; d0 < D; d0 += 16)
-        flash_value_tile<D>(s + i * kFlashRows * kFlashKeys, v, d0, n, o + i * kFlashRows * D);
+    // o[r][d] += sum_t s[r][t] v_t[d]: tiles of 6 rows x 16 dims
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      auto load_values = [&v, d0](int64_t t, __m256& b0, __m256& b1) __attribute__((always_inline)) {
+        b0 = load8(v[t] + d0);
+        b1 = load8(v[t] + d0 + 8);
+      };
+      for (int64_t i = 0; i < tiles; ++i)
+        loom::broadcast_tile_16<kFlashRows>(s + i * kFlashRows * kFlashKeys, kFlashKeys, 1, n, load_values,
+                                            o + i * kFlashRows * D + d0, D, true);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + (token_of(r) * H + head_of(r)) * D;

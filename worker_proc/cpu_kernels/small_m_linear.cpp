@@ -772,19 +772,11 @@ void dense_f32_dots(const float* x, const float* w, float* y, int64_t m, int64_t
 template <int MR>
 inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t kb, float* y, int64_t ldy,
                        bool first) {
-  __m256 c[MR][2];
-  for (int i = 0; i < MR; ++i)
-    for (int h = 0; h < 2; ++h) c[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + i * ldy + 8 * h);
-  for (int64_t kk = 0; kk < kb; ++kk) {
-    const __m256 b0 = _mm256_load_ps(panel + kk * kPanel), b1 = _mm256_load_ps(panel + kk * kPanel + 8);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 a = _mm256_broadcast_ss(x + i * ldx + kk);
-      c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
-      c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + i * ldy + 8 * h, c[i][h]);
+  auto load_panel_row = [panel](int64_t kk, __m256& b0, __m256& b1) __attribute__((always_inline)) {
+    b0 = _mm256_load_ps(panel + kk * kPanel);
+    b1 = _mm256_load_ps(panel + kk * kPanel + 8);
+  };
+  loom::broadcast_tile_16<MR>(x, ldx, 1, kb, load_panel_row, y, ldy, !first);
 }
 
 // dst[c * kPanel + r] = src[r * ld + c] for an 8 x 8 block.

@@ -116,6 +116,28 @@ inline void transpose_8x8(__m256 r[8]) {
   for (int i = 0; i < 8; ++i) r[i] = t[i];
 }
 
+// c[i][0:16] (+)= sum_{k < kb} a[i * a_row + k * a_step] * b_k[0:16] for MR rows, where
+// load_b(k, b0, b1) gives b_k as two registers: 2 MR accumulators, MR broadcasts and two loads per
+// 2 MR FMAs (6 rows fill AVX2's 16 registers). With accumulate false, c starts from 0.
+template <int MR, typename LoadB>
+__attribute__((always_inline)) inline void broadcast_tile_16(const float* a, int64_t a_row, int64_t a_step, int64_t kb, LoadB&& load_b, float* c,
+                              int64_t ldc, bool accumulate) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) acc[i][h] = accumulate ? _mm256_loadu_ps(c + i * ldc + 8 * h) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < kb; ++k) {
+    __m256 b0, b1;
+    load_b(k, b0, b1);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * a_row + k * a_step);
+      acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(c + i * ldc + 8 * h, acc[i][h]);
+}
+
 // acc[h][s] = held[h] . streamed[s] over k elements (a multiple of 8), one 8-lane partial sum
 // per pair: H rows stay in registers while S rows stream past them. 3 x 4 fills AVX2's 16
 // registers (12 accumulators, 3 held vectors, one streamed): 7 loads per 12 FMAs.
