@@ -228,6 +228,7 @@ def test_layer_stack_weights_lie_in_step_order(tiny):
             starts += [t.data_ptr() for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
     starts += [model.norm.weight.data_ptr(), model.lm_head.kernel_spec()[0][0].data_ptr()]
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
-    assert starts[-1] - starts[0] < sum(p.numel() * p.element_size() for p in model.parameters()) + 64 * len(starts)
+    weights = [*model.parameters(), *(m.packed for m in model.modules() if getattr(m, "packed", None) is not None)]
+    assert starts[-1] - starts[0] < sum(t.numel() * t.element_size() for t in weights) + 64 * len(starts)
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.embed_tokens.weight

@@ -17,13 +17,20 @@ class Linear(nn.Module):
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        # The weight as the kernel's panels read it (see pack_weight); not part of the checkpoint.
+        self.register_buffer("packed", None, persistent=False)
+
+    def pack_weight(self) -> None:
+        """Lays the weight out once for loom's kernel (call after loading and any dtype cast). The
+        [N, K] weight stays: larger inputs take torch's GEMM, and ties share it."""
+        self.packed = self.ops.pack_dense(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.dense_linear(x, self.weight, self.bias)
+        return self.ops.dense_linear(x, self.weight, self.bias, self.packed)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The weights as the compiled layer stack takes them (cpu_kernels/layer_stack.cpp)."""
-        return [self.weight], self.bias
+        return [self.weight] + ([self.packed] if self.packed is not None else []), self.bias
 
 
 class Int8Linear(nn.Module):
@@ -76,3 +83,12 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
         bias = None if child.bias is None else child.bias.detach()
         setattr(parent, name, cls(child.weight.detach(), bias, child.ops))
     return len(targets)
+
+
+def pack_dense_weights(model: nn.Module) -> int:
+    """Packs every dense `Linear`'s weight for loom's kernel (after loading, casting and
+    quantization). Returns how many were packed."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for linear in linears:
+        linear.pack_weight()
+    return sum(linear.packed is not None for linear in linears)

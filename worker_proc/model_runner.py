@@ -13,7 +13,7 @@ from ipc.messages import ModelWorkerBatch, TokenLogprobs
 from worker_proc.attention import PagedKernelAttention, TorchAttention
 from worker_proc.forward_batch import ForwardBatch
 from worker_proc.kv_cache import KVPool
-from worker_proc.linear import quantize_linears
+from worker_proc.linear import pack_dense_weights, quantize_linears
 from worker_proc.model_config import ModelConfig
 from worker_proc.model_loader import iter_checkpoint_tensors
 from worker_proc.models import MODEL_CLASSES
@@ -81,6 +81,7 @@ class ModelRunner:
         model.load_weights(iter_checkpoint_tensors(rc.model_dir))
         self.model = model.to(dtype=rc.dtype, device=rc.device).eval()
         quantize_linears(self.model, rc.quantization)  # after the cast: scales stay float32
+        pack_dense_weights(self.model)
         self.model.build_layer_stack()
         self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb)
         self.pool = KVPool(self.config.num_layers, self.num_slots, self.config.num_kv_heads, self.config.head_dim,

@@ -73,11 +73,20 @@ class Ops:
     def _small(self, x: torch.Tensor, rows: int | None = None) -> bool:
         return x.shape[0] <= (self.small_m_rows if rows is None else rows) and x.shape[1] % _VEC == 0
 
-    def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     packed: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype == weight.dtype and self._small(x, self.dense_rows(x.dtype)):
-            y = self.kernels.linear_dense(x, weight)
+            y = self.kernels.linear_dense(x, weight, packed)
             return y if bias is None else y.add_(bias)
         return F.linear(x, weight, bias)
+
+    def pack_dense(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight in the layout dense_linear's kernel reads without repacking it per call (float32
+        on builds with the panel kernel), or None where nothing would use it."""
+        if self.kernels is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return None
+        packed = self.kernels.pack_dense_f32(weight.contiguous())
+        return packed if packed.numel() else None
 
     def pack_int8(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q [N, K] in the layout the int8 kernel streams fastest for activations of `dtype`:

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
                               torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
@@ -19,7 +20,9 @@ torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor 
 // Writes row r of k and v [T, KVH, D] (views with contiguous rows, e.g. of fused qkv) to pool slot
 // out_cache_loc[r] of kv [S, 2, KVH, D].
 void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, torch::Tensor v);
-torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w);
+// packed: pack_dense_f32(w) (or empty / none: the kernel packs what it needs per call).
+torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> packed = std::nullopt);
+torch::Tensor pack_dense_f32(torch::Tensor w);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor pack_int8(torch::Tensor w);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);

@@ -12,19 +12,20 @@
 
 namespace {
 
-// A linear's weights in the form its Python module keeps them: [w] dense, [q, scale] int8,
-// [q, scale, min] int4; plus an optional bias.
+// A linear's weights in the form its Python module keeps them: [w] or [w, packed] dense,
+// [q, scale] int8, [q, scale, min] int4; plus an optional bias.
 struct LinearWeights {
   std::vector<torch::Tensor> tensors;
   std::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
-    switch (tensors.size()) {
-      case 1: y = linear_dense(x, tensors[0]); break;
-      case 2: y = linear_int8(x, tensors[0], tensors[1]); break;
-      default: y = linear_int4(x, tensors[0], tensors[1], tensors[2]);
-    }
+    if (tensors[0].is_floating_point())
+      y = linear_dense(x, tensors[0], tensors.size() > 1 ? std::optional<torch::Tensor>(tensors[1]) : std::nullopt);
+    else if (tensors.size() == 2)
+      y = linear_int8(x, tensors[0], tensors[1]);
+    else
+      y = linear_int4(x, tensors[0], tensors[1], tensors[2]);
     if (bias) y.add_(*bias);
     return y;
   }
@@ -34,7 +35,7 @@ using LinearSpec = std::tuple<std::vector<torch::Tensor>, std::optional<torch::T
 
 LinearWeights from_spec(const LinearSpec& spec) {
   const auto& [tensors, bias] = spec;
-  TORCH_CHECK(!tensors.empty() && tensors.size() <= 3, "a linear is [w], [q, scale] or [q, scale, min]");
+  TORCH_CHECK(!tensors.empty() && tensors.size() <= 3, "a linear is [w], [w, packed], [q, scale] or [q, scale, min]");
   return {tensors, bias};
 }
 
