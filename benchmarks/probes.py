@@ -6,7 +6,8 @@ the same run as the figures they put in perspective.
 - GEMV GB/s per dtype: one token against a weight the size of the model's LM head, cycling over
   several such weights (>= 256 MB in all, well past any L3) so each call streams from DRAM: the
   bandwidth roof of small-batch decode. Measured with torch's F.linear and, where it compiles,
-  loom's own small-M kernel (worker_proc.cpu_kernels.linear_dense); the best of both is the
+  loom's own small-M kernel (worker_proc.cpu_kernels.linear_dense, on the [N, K] weight and, where
+  the build packs float32 weights at load, on the packed panels); the best of these is the
   "GEMV rate".
 
     python benchmarks/probes.py                 # print the header and probes for this machine
@@ -86,6 +87,22 @@ def load_loom_gemv() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tenso
     return fn, f"loaded in {time.perf_counter() - start:.1f} s"
 
 
+def _packed_copies(weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """data_ptr -> the weight in loom's packed panels, on huge pages as loom keeps it; empty where
+    the build does not pack this dtype."""
+    from worker_proc import cpu_kernels
+
+    module = cpu_kernels.load()
+    pack = getattr(module, "pack_dense_f32", None)
+    out: dict[int, torch.Tensor] = {}
+    for w in weights:
+        panels = pack(w) if pack is not None else None
+        if panels is None or panels.numel() == 0:
+            return {}
+        out[w.data_ptr()] = zeros_tensor_on_huge_pages(tuple(panels.shape), panels.dtype).copy_(panels)
+    return out
+
+
 def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                shape: tuple[int, int] = GEMV_SHAPE, working_set: int = GEMV_WORKING_SET,
                rounds: int = 3) -> dict[str, Any]:
@@ -111,6 +128,13 @@ def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.
         except Exception as e:
             kernel_note = f"failed ({type(e).__name__}: {e})"
 
+    if "loom" in impls:
+        # loom's linears keep float32 weights packed for the kernel as well (Linear.pack_weight):
+        # a token against the packed copy is the stream a decode step does
+        packed = _packed_copies(weights)
+        if packed:
+            impls["loom packed"] = lambda x, w: kernel(x, w, packed[w.data_ptr()])
+
     rates: dict[str, float] = {}
     for name, fn in impls.items():
         fn(x, weights[0])  # warm-up
@@ -125,7 +149,8 @@ def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.
         rates[name] = matrix_bytes / best / 1e9
     del weights
     best_impl = max(rates, key=rates.get)
-    return {"torch_gbs": rates["torch"], "loom_gbs": rates.get("loom"), "best_gbs": rates[best_impl],
+    return {"torch_gbs": rates["torch"], "loom_gbs": rates.get("loom"), "loom_packed_gbs": rates.get("loom packed"),
+            "best_gbs": rates[best_impl],
             "best_by": best_impl, "loom_note": kernel_note, "shape_nk": list(shape), "matrix_bytes": matrix_bytes,
             "working_set_bytes": matrix_bytes * count}
 
@@ -171,6 +196,8 @@ def format_probe_lines(machine: Mapping[str, Any]) -> list[str]:
     lines = [f"GEMM       x[{m},{k}] w[{n},{k}]: {gemm} GFLOP/s"]
     for d, r in machine["gemv"].items():
         loom = f"{r['loom_gbs']:.1f}" if r["loom_gbs"] is not None else (r["loom_note"] or "n/a")
+        if r.get("loom_packed_gbs") is not None:
+            loom += f" (packed {r['loom_packed_gbs']:.1f})"
         wn, wk = r["shape_nk"]
         lines.append(f"GEMV {d:<9} x[1,{wk}] w[{wn},{wk}] over {r['working_set_bytes'] / 2**20:.0f} MiB: "
                      f"torch {r['torch_gbs']:.1f}, loom {loom} -> rate {r['best_gbs']:.1f} GB/s")

@@ -63,6 +63,18 @@ def test_weight_stats_counts_a_tied_head_once_and_skips_an_untied_embedding():
         assert stats.bytes == (8 * 8 + 32 * 8) * 2  # proj + head in bfloat16; the embedding never on its own
 
 
+def test_weight_stats_count_packed_panels_instead_of_the_weight():
+    """A linear whose weight is also packed for the kernel streams the panels plus the rows past the
+    last whole panel of 16, not the [N, K] weight as well."""
+    config = SimpleNamespace(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                             num_layers=1, vocab_size=32)
+    m = torch.nn.Module()
+    m.proj = torch.nn.Linear(8, 40, bias=False)  # 2 panels of 16 rows + 8 rows on their own
+    m.proj.register_buffer("packed", torch.zeros(2, 8, 16), persistent=False)
+    stats = WeightStats.of(m, config)
+    assert stats.bytes == (2 * 8 * 16 + 8 * 8) * 4
+
+
 def test_step_summary_and_rooflines():
     steps = [Step(False, 4, 4 * 100, forward_s=0.5, step_s=1.0)] + \
             [Step(True, 4, 4, forward_s=0.09, step_s=0.1) for _ in range(3)]
