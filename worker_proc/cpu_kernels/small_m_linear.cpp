@@ -797,21 +797,21 @@ inline void pack_panel(const float* w, int64_t k, int64_t row0, int64_t k0, int6
 
 // Prefetches (into L2) the W lines of the panel chunk after this one, a share after each tile of
 // y: packing used to wait on DRAM for every chunk, ~25% of the time at 64 rows.
-// Prepacked panels (packed != nullptr): the next chunk is one contiguous range, fetched into L1.
+// With prepacked panels, next_packed is where the next chunk starts: one contiguous range, fetched
+// into L1.
 struct NextChunkFetch {
   const float* w;
-  const float* packed;
+  const float* next_packed;
   int64_t k, row0, k0, lines_per_row, lines, tiles, issued = 0, tile = 0;
-  NextChunkFetch(const float* w, const float* packed, int64_t k, int64_t row0, int64_t k0, int64_t tiles)
-      : w(w), packed(packed), k(k), row0(row0), k0(k0), lines_per_row(std::min(kPanelK, k - k0) / 16),
+  NextChunkFetch(const float* w, const float* next_packed, int64_t k, int64_t row0, int64_t k0, int64_t tiles)
+      : w(w), next_packed(next_packed), k(k), row0(row0), k0(k0), lines_per_row(std::min(kPanelK, k - k0) / 16),
         lines(kPanel * lines_per_row), tiles(tiles) {}
   void after_tile() {  // tiles == 0: nothing comes next
     if (tiles == 0) return;
     const int64_t upto = lines * ++tile / tiles;
     for (; issued < upto; ++issued) {
-      if (packed) {
-        _mm_prefetch(reinterpret_cast<const char*>(packed + (row0 / kPanel) * k * kPanel + k0 * kPanel + 16 * issued),
-                     _MM_HINT_T0);
+      if (next_packed) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_packed + 16 * issued), _MM_HINT_T0);
       } else {
         const float* line = w + (row0 + issued / lines_per_row) * k + k0 + 16 * (issued % lines_per_row);
         _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
@@ -832,7 +832,9 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
         const float* panel = packed ? packed + p * k * kPanel + k0 * kPanel : own_panel;
         if (!packed) pack_panel(w, k, p * kPanel, k0, kb, own_panel);
         const bool last_chunk = k0 + kPanelK >= k;
-        NextChunkFetch fetch(w, packed, k, (last_chunk ? p + 1 : p) * kPanel, last_chunk ? 0 : k0 + kPanelK,
+        // packed chunks lie in order: the next one (this panel's or the next panel's first) follows
+        NextChunkFetch fetch(w, packed ? panel + kb * kPanel : nullptr, k, (last_chunk ? p + 1 : p) * kPanel,
+                             last_chunk ? 0 : k0 + kPanelK,
                              last_chunk && p + 1 == end ? 0 : (m + 5) / 6);
         float* yp = y + p * kPanel;
         const float* xp = x + k0;
