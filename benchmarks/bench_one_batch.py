@@ -11,7 +11,9 @@ decode.
 
 Reported per batch size: prefill s and tok/s; decode step ms (median) and tok/s; busy fraction
 (time inside ModelRunner.forward / whole step time: the rest is scheduling and batch building);
-and the rooflines from the probes of the same run:
+and the rooflines from the probes of the same run (by default each batch size's own: the mean of
+a GEMV and a GEMM probe right before and right after its timed steps; --probe-once takes the
+start-up probe's):
   bandwidth  a decode step streams every weight once: batch x GEMV rate / weight bytes tok/s
              (at batch 1 the limit of single-stream decode);
   GEMM       tok/s x FLOPs per token (2 x weight parameters, LM head included, attention not)
@@ -42,7 +44,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root and `benchm
 from benchmarks.common import (Request, add_repo_to_path, default_result_path, embedded_gguf,  # noqa: E402
                                fixed_length_requests, format_table, gguf_format, llama_cpp_installed, num_cores,
                                write_json)
-from benchmarks.probes import PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs, header_lines, probe_machine  # noqa: E402
+from benchmarks.probes import (PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs, header_lines, load_loom_gemv,
+                               probe_gemm, probe_gemv, probe_machine)  # noqa: E402
 
 add_repo_to_path()
 
@@ -68,6 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed pass of each batch size (prompt + 2 tokens) before its timed one")
     p.add_argument("--no-probe", action="store_true", help="skip the GEMM/GEMV probes (no roofline figures)")
+    p.add_argument("--probe-once", action="store_true",
+                   help="rooflines from the start-up probe only (default: each batch size also probes its "
+                        "dtype's GEMM and GEMV right before and after its timed steps and takes the mean)")
     p.add_argument("--json", type=Path, default=None,
                    help="result file (default: benchmarks/results/bench_one_batch_<timestamp>.json)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
@@ -340,6 +346,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ])), flush=True)
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    paired_probe = None
+    if not (args.no_probe or args.probe_once):
+        # This VM's memory and GEMM rates drift by tens of percent over minutes: a roof probed at
+        # start-up can belong to another phase than the steps it judges.
+        loom_gemv = load_loom_gemv()[0]
+
+        def paired_probe() -> tuple[float, float]:
+            with torch.inference_mode():
+                return probe_gemv(dtype_name, loom_gemv)["best_gbs"], probe_gemm(dtype_name)["gflops"]
     rows: list[dict[str, Any]] = []
     warmup_steps = 0 if args.no_warmup else 2
     with tqdm(total=len(args.batch_sizes) * (warmup_steps + args.output_len), unit="step") as bar:
@@ -352,13 +367,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                         args.seed + 1), bar)
             bar.set_description(f"batch {bs}")
             requests = fixed_length_requests(tokenizer, [args.input_len] * bs, [args.output_len] * bs, args.seed)
+            before = paired_probe() if paired_probe else None
             row = summarize_steps(bs, args.input_len, run_batch(runner, requests, bar))
-            add_rooflines(row, weights, gemv_rate, gemm_rate, args.input_len)
+            if paired_probe:
+                after = paired_probe()
+                row["paired_probes"] = {"gemv_gbs": [before[0], after[0]], "gemm_gflops": [before[1], after[1]]}
+                add_rooflines(row, weights, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2, args.input_len)
+            else:
+                add_rooflines(row, weights, gemv_rate, gemm_rate, args.input_len)
             rows.append(row)
     print(format_rows(rows))
-    if rows[0]["batch_size"] == 1 and batch1_limit and rows[0]["decode_tok_s"]:
-        print(f"batch 1: {rows[0]['decode_tok_s']:.1f} decode tok/s = "
-              f"{100 * rows[0]['decode_tok_s'] / batch1_limit:.0f}% of the bandwidth limit {batch1_limit:.1f} tok/s")
+    if rows[0]["batch_size"] == 1 and rows[0].get("bandwidth_roof_tok_s") and rows[0]["decode_tok_s"]:
+        probes = rows[0].get("paired_probes")
+        source = (f"GEMV {probes['gemv_gbs'][0]:.1f} / {probes['gemv_gbs'][1]:.1f} GB/s before / after"
+                  if probes else "the start-up probe")
+        print(f"batch 1: {rows[0]['decode_tok_s']:.1f} decode tok/s = {rows[0]['decode_pct_of_bandwidth_roof']:.0f}% "
+              f"of the bandwidth limit {rows[0]['bandwidth_roof_tok_s']:.1f} tok/s ({source})")
     hf = None
     if args.hf_baseline:
         runner = None  # free the memory and threads before the baseline
@@ -394,9 +418,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   "kv_slots": kv_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
                   "flops_per_token": weights.flops_per_token},
         "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,
-                      "batch1_bandwidth_limit_tok_s": batch1_limit,
+                      "batch1_bandwidth_limit_tok_s": batch1_limit, "paired_probes": paired_probe is not None,
                       "note": "bandwidth roof = batch x GEMV rate / weight bytes (KV reads ignored); GEMM roof = "
-                              "GEMM rate / (2 x weight parameters) (attention FLOPs ignored)"},
+                              "GEMM rate / (2 x weight parameters) (attention FLOPs ignored); with paired probes "
+                              "each row's rates are the mean of the probes right before and after its steps "
+                              "(results[i].paired_probes), else the start-up probe's"},
         "results": rows,
         "hf_batch1": hf,
         "llamacpp_batch1": llamacpp,

@@ -1,5 +1,5 @@
-"""The benchmark tooling's own logic (probes, rooflines, baseline lists, plots), on tiny inputs:
-no model, no server, a second or two."""
+"""The benchmark tooling's own logic (probes, rooflines, baseline lists, plots), on tiny inputs and
+no server; the last test runs bench_one_batch end to end for a few steps of the embedded model."""
 
 from __future__ import annotations
 
@@ -103,3 +103,20 @@ def test_plots_write_pngs(tmp_path):
     rows = [{"batch_size": b, "decode_tok_s": 10.0 * b, "prefill_tok_s": 100.0 * b, "roof_tok_s": 20.0 * b,
              "prefill_gemm_roof_tok_s": 1000.0} for b in (1, 4)]
     assert plot_throughput_vs_batch(rows, tmp_path / "tput.png").stat().st_size > 0
+
+
+def test_one_batch_rooflines_come_from_probes_paired_with_each_batch(default_model_dir, tmp_path):
+    """End to end on the embedded model, a few steps: every batch size probes right before and after
+    its timed steps, and its roofs are the mean of those two probes, not the start-up probe's."""
+    from benchmarks import bench_one_batch
+
+    result = bench_one_batch.main(["--batch-sizes", "1,2", "--input-len", "8", "--output-len", "3", "--dtype",
+                                   "float32", "--no-plot", "--json", str(tmp_path / "one_batch.json")])
+    weights = result["model"]["weight_bytes"]
+    assert result["rooflines"]["paired_probes"]
+    for row in result["results"]:
+        gemv, gemm = row["paired_probes"]["gemv_gbs"], row["paired_probes"]["gemm_gflops"]
+        assert len(gemv) == len(gemm) == 2 and min(gemv + gemm) > 0
+        assert row["bandwidth_roof_tok_s"] == pytest.approx(row["batch_size"] * sum(gemv) / 2 * 1e9 / weights)
+        assert row["gemm_roof_tok_s"] == pytest.approx(sum(gemm) / 2 * 1e9 / result["model"]["flops_per_token"])
+        assert row["decode_steps"] == 2 and row["decode_tok_s"] > 0
