@@ -85,10 +85,9 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
     return len(targets)
 
 
-def pack_dense_weights(model: nn.Module) -> int:
+def pack_dense_weights(model: nn.Module) -> None:
     """Packs every dense `Linear`'s weight for loom's kernel (after loading, casting and
-    quantization). Returns how many were packed."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    for linear in linears:
-        linear.pack_weight()
-    return sum(linear.packed is not None for linear in linears)
+    quantization)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack_weight()
