@@ -25,13 +25,18 @@ import zmq
 from ipc.messages import ProcFailed, ProcReady, ToLauncher
 from ipc.proc import ChildConfig
 from ipc.sockets import Endpoints, Receiver
+from scheduler_proc.policies import queue_policy_names
+from scheduler_proc.prefill_adder import admission_policy_names
+from worker_proc.cpu_kernels import ISA_LEVELS
+from worker_proc.dtype_probe import DTYPES
+from worker_proc.linear import QUANTIZATIONS
 
 log = logging.getLogger("loom")
 ROOT = Path(__file__).resolve().parent
 
 
-def _arg(default: Any, help: str, **kw) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -41,8 +46,9 @@ class ServerArgs:
     host: str = _arg("127.0.0.1", "HTTP and ZMQ bind address")
     port: int = _arg(30000, "HTTP port")
     zmq_port: int | None = _arg(None, "ZMQ client port (default: --port + 1; 0 picks a free port)")
-    dtype: str = _arg("auto", "auto | float32 | bfloat16 (auto times both on this CPU at start-up)")
-    device: str = _arg("cpu", "compute device (cpu)")
+    dtype: str = _arg("auto", "compute dtype (auto times float32 and bfloat16 GEMMs on this CPU at start-up)",
+                      choices=("auto", *DTYPES))
+    device: str = _arg("cpu", "compute device", choices=("cpu",))
     kv_cache_gb: float = _arg(2.0, "memory for the KV cache, in GiB")
     max_running_requests: int = _arg(64, "requests decoding at once")
     max_prefill_tokens: int = _arg(1024, "prompt tokens computed per step")
@@ -52,27 +58,37 @@ class ServerArgs:
                                           "(--no-enable-mixed-chunk: prompt steps and decode steps alternate)")
     decode_first: bool = _arg(False, "latency knob: decodes count against the step token budget (mixed), or a "
                                      "pending decode step runs before the next prompt step (unmixed)")
-    prefill_admission_policy: str = _arg("fifo", "fifo | pack (fill the step budget with the cheapest prompts "
-                                                 "in the look-ahead window)")
+    prefill_admission_policy: str = _arg("fifo", "which waiting prompts a step admits: fifo, or pack (fill the "
+                                                 "step budget with the cheapest prompts in the look-ahead window)",
+                                         choices=tuple(admission_policy_names()))
     admission_lookahead: int = _arg(16, "waiting requests the pack policy considers")
     force_fifo_every: int = _arg(0, "with pack: the queue head goes first after this many admissions passed it "
                                     "over (0: never forced)")
     enable_priority_scheduling: bool = _arg(False, "higher request `priority` first, the policy's order within")
     waiting_timeout: float | None = _arg(None, "abort requests queued longer than this (seconds)")
     running_timeout: float | None = _arg(None, "abort requests running longer than this (seconds)")
-    kernel_backend: str = _arg("auto", "auto | torch | cpu: loom's CPU kernels (attention, fused norms, "
-                                       "weight-streaming linears; compiled on first use) or plain torch ops; auto "
-                                       "falls back to torch where no compiler is available")
-    quantization: str = _arg("none", "weight-only quantization of the linear layers: none | int8 (per output "
-                                     "row) | int4 (groups of 32, as GGUF Q4_1)")
+    kernel_backend: str = _arg("auto", "loom's CPU kernels (cpu: attention, fused norms, weight-streaming "
+                                       "linears; compiled on first use) or plain torch ops; auto falls back to "
+                                       "torch where no compiler is available", choices=("auto", "torch", "cpu"))
+    kernel_isa: str = _arg("native", "instruction-set level the CPU kernels are compiled for: native (all this "
+                                     "CPU has), or a portable level below it (avx512: x86-64-v4, avx2: x86-64-v3, "
+                                     "scalar: x86-64)", choices=ISA_LEVELS)
+    quantization: str = _arg("none", "weight-only quantization of the linear layers: int8 (per output row) or "
+                                     "int4 (groups of 32, as GGUF Q4_1)", choices=QUANTIZATIONS)
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
-    schedule_policy: str = _arg("fcfs", "waiting-queue order: fcfs | lof | random | routing-key")
+    schedule_policy: str = _arg("fcfs", "waiting-queue order", choices=tuple(queue_policy_names()))
     num_threads: int | None = _arg(None, "torch threads in the worker (default: all cores)")
     served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
     api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
-    log_level: str = _arg("info", "debug | info | warning | error")
+    log_level: str = _arg("info", "log level", choices=("debug", "info", "warning", "error"))
     startup_timeout_s: float = _arg(600.0, "give up if the processes are not ready by then")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
@@ -83,7 +99,8 @@ class ServerArgs:
             if f.type == "bool":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
             else:
-                parser.add_argument(flag, type=types[f.type], default=f.default, help=f.metadata["help"])
+                parser.add_argument(flag, type=types[f.type], default=f.default, help=f.metadata["help"],
+                                    choices=f.metadata["choices"])
         return cls(**vars(parser.parse_args(argv)))
 
 
@@ -370,8 +387,9 @@ def serve(args: ServerArgs) -> None:
                         args.served_model_name or model_dir.name, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=2, access_log=False)
-        print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens) on "
-              f"http://{args.host}:{args.port}  zmq: {frontend.address}", flush=True)
+        print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens, "
+              f"kernels {info['kernel_isa']}) on http://{args.host}:{args.port}  zmq: {frontend.address}",
+              flush=True)
         await uvicorn.Server(config).serve()
 
     try:

@@ -51,6 +51,9 @@ add_repo_to_path()
 
 import torch  # noqa: E402
 
+from worker_proc.cpu_kernels import ISA_LEVELS  # noqa: E402
+from worker_proc.linear import QUANTIZATIONS  # noqa: E402
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -61,10 +64,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="checkpoint folder (default: loom's embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto times both on this CPU, as the server does (default: %(default)s)")
-    p.add_argument("--kernel-backend", default="auto",
-                   help="loom's CPU kernels: auto | torch | cpu, as launch.py (default: %(default)s)")
-    p.add_argument("--quantization", default="none",
-                   help="weight-only quantization: none | int8 | int4, as launch.py (default: %(default)s)")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="loom's CPU kernels or plain torch ops, as launch.py (default: %(default)s)")
+    p.add_argument("--kernel-isa", default="native", choices=ISA_LEVELS,
+                   help="the CPU kernels' instruction-set level, as launch.py (default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="weight-only quantization, as launch.py (default: %(default)s)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache, GiB (default: what the largest batch needs, plus a margin)")
     p.add_argument("--seed", type=int, default=0, help="seed for the prompts (default: %(default)s)")
@@ -148,7 +153,8 @@ def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -
         tokens = max(args.batch_sizes) * (args.input_len + args.output_len)
         kv_gb = (tokens * 1.25 + 4096) * per_token / 2**30
     return ModelRunner(RunnerConfig(str(model_dir), dtype, kv_gb, max(args.batch_sizes),
-                                    kernel_backend=args.kernel_backend, quantization=args.quantization))
+                                    kernel_backend=args.kernel_backend, kernel_isa=args.kernel_isa,
+                                    quantization=args.quantization))
 
 
 # ---- one batch ----------------------------------------------------------------------------------
@@ -337,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"weights    {weights.matmul_params / 1e6:.1f} M matmul parameters, {weights.bytes / 2**20:.1f} MiB "
         f"streamed per step ({dtype_name}, quantization {args.quantization}), "
         f"{weights.flops_per_token / 1e6:.0f} MFLOP per token",
-        f"runner     kernels {runner.kernel_backend}; KV pool {runner.num_slots} tokens",
+        f"runner     kernels {runner.kernel_isa}; KV pool {runner.num_slots} tokens",
         "roof bw    " + (f"batch 1: {weights.bytes / 2**20:.1f} MiB / {gemv_rate:.1f} GB/s -> "
                          f"{batch1_limit:.1f} tok/s" if batch1_limit else "n/a (no probe)"),
         "roof GEMM  " + (f"{gemm_rate:.1f} GFLOP/s / {weights.flops_per_token / 1e6:.0f} MFLOP -> "
@@ -414,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine,
         "model": {"dir": str(model_dir), "dtype": dtype_name, "dtype_reason": dtype_reason,
-                  "kernel_backend": backend, "quantization": args.quantization,
+                  "kernel_backend": backend, "kernel_isa": runner.kernel_isa, "quantization": args.quantization,
                   "kv_slots": kv_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
                   "flops_per_token": weights.flops_per_token},
         "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,

@@ -580,7 +580,7 @@ def format_by_input_len(rows: list[dict[str, Any]]) -> str:
 def _server_lines(info: dict[str, Any] | None) -> list[str]:
     if not info:
         return ["server     (no /get_server_info)"]
-    keys = ("model_path", "dtype", "dtype_reason", "device", "threads", "kernel_backend", "quantization", "max_total_tokens",
+    keys = ("model_path", "dtype", "dtype_reason", "device", "threads", "kernel_isa", "quantization", "max_total_tokens",
             "max_context_len", "kv_slots", "max_running_requests", "max_prefill_tokens", "schedule_policy")
     items = [f"{k}={info[k]}" for k in keys if info.get(k) is not None]
     return [f"server     {', '.join(items[:4])}", f"           {', '.join(items[4:])}"] if len(items) > 4 \

@@ -104,11 +104,15 @@ def register_admission_policy(name: str):
     return wrap
 
 
+def admission_policy_names() -> list[str]:
+    return sorted(_ADMISSION_POLICIES)
+
+
 def make_admission_policy(name: str, lookahead: int = 16, force_fifo_every: int = 0) -> AdmissionPolicy:
     try:
         return _ADMISSION_POLICIES[name](lookahead, force_fifo_every)
     except KeyError:
-        raise ValueError(f"unknown admission policy {name!r}; choose from {sorted(_ADMISSION_POLICIES)}") from None
+        raise ValueError(f"unknown admission policy {name!r}; choose from {admission_policy_names()}") from None
 
 
 @register_admission_policy("fifo")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,50 @@ if str(ROOT) not in sys.path:
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # for `from inproc import ...` under any import mode
     sys.path.insert(0, str(TESTS))
+
+
+# ---- CPU kernels, one build per instruction-set level this CPU runs ---------------------------
+
+def _kernel_levels() -> list[str]:
+    from worker_proc import cpu_kernels
+
+    return cpu_kernels.distinct_levels()
+
+
+@pytest.fixture(scope="module", params=_kernel_levels())
+def kernel(request):
+    """loom's compiled CPU kernels, built for each level this CPU can execute (native, and the
+    portable avx512 / avx2 / scalar levels below it that run other code paths)."""
+    from worker_proc import cpu_kernels
+
+    module = cpu_kernels.load(request.param)
+    if module is None:
+        pytest.skip("no C++ compiler here: the torch path is used instead")
+    return module
+
+
+_kernel_outcomes: dict[str, Counter] = defaultdict(Counter)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    level = getattr(item, "callspec", None) and item.callspec.params.get("kernel")
+    if level and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        _kernel_outcomes[level][report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which kernel builds the tests ran, so a run on any CPU shows every path it covered."""
+    if not _kernel_outcomes:
+        return
+    from worker_proc import cpu_kernels
+
+    terminalreporter.write_line(f"CPU kernel tests per build (this CPU runs {', '.join(cpu_kernels.supported_levels())};"
+                                " a level that runs native's code paths is tested as native):")
+    for level, counts in _kernel_outcomes.items():
+        tally = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+        terminalreporter.write_line(f"  {cpu_kernels.describe(level)}: {tally}")
 
 
 @pytest.fixture(scope="session")

@@ -63,8 +63,9 @@ def generate_greedy(
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
-def build_tiny_checkpoint(arch: str, out_dir, seed: int = 0) -> Path:
-    """A tiny random-weight float32 checkpoint (safetensors + config.json) in `out_dir`.
+def build_tiny_checkpoint(arch: str, out_dir, seed: int = 0, **sizes) -> Path:
+    """A tiny random-weight float32 checkpoint (safetensors + config.json) in `out_dir`; `sizes`
+    overrides config fields (hidden_size, num_attention_heads, vocab_size, ...).
 
     llama: 3 layers, untied lm_head; qwen2: 2 layers, q/k/v biases, tied embeddings;
     qwen3: 2 layers, head_dim 32 != hidden/heads (16), q_norm/k_norm, untied.
@@ -77,6 +78,7 @@ def build_tiny_checkpoint(arch: str, out_dir, seed: int = 0) -> Path:
     common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common.update(sizes)
     if arch == "llama":
         config = LlamaConfig(num_hidden_layers=3, tie_word_embeddings=False,
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)

@@ -1,6 +1,6 @@
 """loom's compiled CPU kernels against their torch references: paged attention (gather +
 SDPA), the fused element-wise ops (`Ops` without kernels) and the small-M linears (dense, int8,
-int4 against their dequantized weights)."""
+int4 against their dequantized weights). `kernel` (conftest) is each build this CPU runs."""
 
 from __future__ import annotations
 
@@ -12,16 +12,22 @@ from worker_proc import cpu_kernels
 from worker_proc.ops import (Ops, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8)
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.skip("no C++ compiler here: the torch attention path is used instead")
-    return k
+def test_each_build_runs_the_code_paths_of_its_level(kernel, request):
+    level = request.node.callspec.params["kernel"]
+    predicted = cpu_kernels.target_macros(level)
+    if predicted is None:
+        pytest.skip("the compiler did not list its target macros")
+    assert set(kernel.target_macros()) == predicted
+    if level == "scalar":
+        assert not predicted
+    if level in ("avx2", "avx512"):
+        assert {"__AVX2__", "__FMA__", "__F16C__"} <= predicted
+        assert ("__AVX512F__" in predicted) == (level == "avx512")
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (4, 2, 128), (6, 2, 24)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (4, 2, 128), (6, 2, 24),
+                                                    (20, 1, 16), (64, 1, 32), (3, 1, 18)])
 def test_paged_attention_matches_reference(kernel, dtype, tol, heads, kv_heads, head_dim):
     """Rows of one token (decodes), whole prompts and chunks over a cached prefix, in one call."""
     torch.manual_seed(0)

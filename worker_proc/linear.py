@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_proc.ops import Ops, quantize_int4, quantize_int8
+from worker_proc.ops import INT4_GROUP, Ops, quantize_int4, quantize_int8
 
 QUANTIZATIONS = ("none", "int8", "int4")
 
@@ -81,7 +81,9 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
                for name, child in parent.named_children() if isinstance(child, Linear)]
     for parent, name, child in targets:
         bias = None if child.bias is None else child.bias.detach()
-        setattr(parent, name, cls(child.weight.detach(), bias, child.ops))
+        # int4 groups are 32 inputs: a linear with another input size keeps 8 bits
+        fits = cls is not Int4Linear or child.weight.shape[1] % INT4_GROUP == 0
+        setattr(parent, name, (cls if fits else Int8Linear)(child.weight.detach(), bias, child.ops))
     return len(targets)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ipc.messages import ModelWorkerBatch, TokenLogprobs
+from worker_proc import cpu_kernels
 from worker_proc.attention import PagedKernelAttention, TorchAttention
 from worker_proc.forward_batch import ForwardBatch
 from worker_proc.kv_cache import KVPool
@@ -33,6 +34,7 @@ class RunnerConfig:
     context_length: int | None = None
     device: str = "cpu"
     kernel_backend: str = "auto"  # auto | torch | cpu
+    kernel_isa: str = "native"  # cpu_kernels.ISA_LEVELS: which build of the CPU kernels
     quantization: str = "none"  # none | int8 | int4
     eos_token_ids: tuple[int, ...] = ()
 
@@ -54,14 +56,12 @@ SMALL_M_ROWS = 8
 DENSE_BF16_ROWS = 32
 
 
-def _load_kernels(backend: str, device: str):
+def _load_kernels(backend: str, device: str, isa: str):
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"--kernel-backend {backend!r}: choose auto, torch or cpu")
     if backend == "torch" or device != "cpu":
         return None
-    from worker_proc import cpu_kernels
-
-    kernels = cpu_kernels.load()
+    kernels = cpu_kernels.load(isa)
     if kernels is None and backend == "cpu":
         raise RuntimeError("--kernel-backend cpu: the CPU kernels failed to compile (see the log)")
     return kernels
@@ -74,8 +74,11 @@ class ModelRunner:
         self.device = rc.device
         self.context_len = min(rc.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
-        kernels = _load_kernels(rc.kernel_backend, rc.device)
+        kernels = _load_kernels(rc.kernel_backend, rc.device, rc.kernel_isa)
         self.kernel_backend = "cpu" if kernels is not None else "torch"
+        # which build runs, and the instruction sets its code paths use
+        self.kernel_isa = ("none (plain torch ops)" if kernels is None
+                           else cpu_kernels.describe(rc.kernel_isa, kernels.target_macros()))
         ops = Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)
         model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len, ops)
         model.load_weights(iter_checkpoint_tensors(rc.model_dir))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP = 32  # weights per int4 scale/min group (the GGUF Q4 block size)
-_VEC = 32  # the small-M kernel walks K in pairs of whole vectors (16 lanes at most)
+_INT8_PACK_STEP = 64  # pack_int8 interleaves rows per 64 inputs (VNNI) or 32 (AVX2)
 
 
 class Ops:
@@ -71,7 +71,7 @@ class Ops:
     # ---- linears --------------------------------------------------------------------------------
 
     def _small(self, x: torch.Tensor, rows: int | None = None) -> bool:
-        return x.shape[0] <= (self.small_m_rows if rows is None else rows) and x.shape[1] % _VEC == 0
+        return x.shape[0] <= (self.small_m_rows if rows is None else rows)
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +91,7 @@ class Ops:
     def pack_int8(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q [N, K] in the layout the int8 kernel streams fastest for activations of `dtype`:
         where those are quantized to int8 (integer dot products), blocks of interleaved weight rows."""
-        if (self.kernels is not None and q.shape[1] % (2 * _VEC) == 0
+        if (self.kernels is not None and q.shape[1] % _INT8_PACK_STEP == 0
                 and self.kernels.quantized_int8_activations(dtype)):
             return self.kernels.pack_int8(q)
         return q

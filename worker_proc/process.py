@@ -32,17 +32,19 @@ def main(config: ChildConfig, report_ready) -> None:
         runner = ModelRunner(RunnerConfig(
             model_dir=config.model_dir, dtype=dtype, kv_cache_gb=args["kv_cache_gb"],
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
-            device=args["device"], kernel_backend=args["kernel_backend"], quantization=args["quantization"],
+            device=args["device"], kernel_backend=args["kernel_backend"],
+            kernel_isa=args["kernel_isa"], quantization=args["quantization"],
             eos_token_ids=tuple(args.get("eos_token_ids") or ())))
     except Exception as e:
         results.send(WorkerError(f"{type(e).__name__}: {e}"))
         raise
     dtype_name = str(dtype).removeprefix("torch.")
     log.info("%s; %d threads; KV pool %d tokens; kernels %s; quantization %s", why, torch.get_num_threads(),
-             runner.num_slots, runner.kernel_backend, args["quantization"])
+             runner.num_slots, runner.kernel_isa, args["quantization"])
     results.send(WorkerReady(runner.num_slots, runner.context_len, dtype_name, args["device"]))
     report_ready({"kv_slots": runner.num_slots, "dtype": dtype_name, "dtype_reason": why,
                   "threads": torch.get_num_threads(), "kernel_backend": runner.kernel_backend,
+                  "kernel_isa": runner.kernel_isa,
                   "quantization": args["quantization"]})
     while True:
         msg = batches.recv()

@@ -1,8 +1,46 @@
 // Python bindings of loom's CPU kernels (one module; each kernel lives in its own file).
+#include <torch/csrc/utils/pybind.h>
+
 #include "kernels.h"
+
+#include <string>
+#include <vector>
+
+void bind_layer_stack(pybind11::module_& m);  // layer_stack.cpp
+
+// The compiler's target macros that choose the kernels' code paths (cpu_kernels.PATH_MACROS), as
+// this build saw them.
+static std::vector<std::string> target_macros() {
+  std::vector<std::string> defined;
+#define LOOM_NOTE(macro) defined.push_back(#macro)
+#ifdef __FMA__
+  LOOM_NOTE(__FMA__);
+#endif
+#ifdef __F16C__
+  LOOM_NOTE(__F16C__);
+#endif
+#ifdef __AVX2__
+  LOOM_NOTE(__AVX2__);
+#endif
+#ifdef __AVX512F__
+  LOOM_NOTE(__AVX512F__);
+#endif
+#ifdef __AVX512BW__
+  LOOM_NOTE(__AVX512BW__);
+#endif
+#ifdef __AVX512VNNI__
+  LOOM_NOTE(__AVX512VNNI__);
+#endif
+#ifdef __AVX512BF16__
+  LOOM_NOTE(__AVX512BF16__);
+#endif
+#undef LOOM_NOTE
+  return defined;
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_layer_stack(m);
+  m.def("target_macros", &target_macros, "the target macros (instruction sets) this build's code paths were chosen by");
   m.def("paged_attention", &paged_attention, "causal attention of a packed batch over the paged KV pool");
   m.def("store_kv", &store_kv, "each row's K and V to its pool slot (kv, out_cache_loc, k, v)");
   m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights; packed: from pack_dense_f32)",

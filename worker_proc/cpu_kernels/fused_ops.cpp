@@ -2,7 +2,7 @@
 // instead of dozens of small torch ops. Each rounds to the activation dtype exactly where the
 // unfused torch code does (worker_proc/ops.py holds that reference), so outputs match it in
 // float32 and within one bf16 rounding step elsewhere.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <algorithm>

@@ -1,7 +1,8 @@
 // The kernels' entry points, each defined in its own file: what bindings.cpp exposes to Python
-// and what layer_stack.cpp calls directly.
+// and what layer_stack.cpp calls directly. Only the two files that bind to Python include
+// pybind11 and torch's Python headers (the heaviest part of the build).
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <memory>
 #include <optional>
@@ -39,4 +40,3 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
 
 torch::Tensor argmax_rows(torch::Tensor x);
 
-void bind_layer_stack(pybind11::module_& m);

@@ -4,6 +4,8 @@
 // pay a Python call and dispatch each: at batch 1 that glue costs as much as a quarter of the
 // step (and every Python op after the weights streamed through the caches runs cold).
 
+#include <torch/csrc/utils/pybind.h>
+
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -103,7 +105,7 @@ class LayerStack {
 };
 
 void bind_layer_stack(pybind11::module_& m) {
-  pybind11::class_<LayerStack>(m, "LayerStack")
+  pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())  // one per kernel build
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("set_head", &LayerStack::set_head)
       .def("add_layer", &LayerStack::add_layer)

@@ -10,7 +10,8 @@
 // time (no horizontal sum per token), then a float32 softmax, then probabilities times V with the
 // accumulators in registers (GCC vector types). AVX2 builds run prompts flash-attention style
 // (attend_prompt_avx2) and decodes in blocks (attend_decode_avx2).
-#include <torch/extension.h>
+#include <torch/types.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -452,6 +453,14 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
 }
 #endif
 
+// Query-head rows per prompt task on the fixed-D paths; more query heads per kv head than this go
+// to attend_tile_generic.
+#if defined(LOOM_AVX2_ATTENTION)
+constexpr int64_t kTileRows = kPromptTileRows;
+#else
+constexpr int64_t kTileRows = kMaxTileRows;
+#endif
+
 constexpr int kMaxHeads = 32;
 constexpr int64_t kDecodeAhead = 8;  // slots fetched ahead by the decode path (whole slots: K and V of every head)
 constexpr int64_t kMinDecodePart = 64;  // cached tokens per part, at least, when a decode row is split
@@ -830,6 +839,10 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
 #endif
         continue;
       }
+      if (p.group > kTileRows) {
+        attend_tile_generic<T>(p, task, D, q, kv, out, scratch);
+        continue;
+      }
       switch (D) {
 #if defined(LOOM_AVX2_ATTENTION)
         case 16: attend_prompt_avx2<T, 16>(p, task, q, kv, out, scratch); break;
@@ -912,15 +925,9 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   plan->head_dim = D;
   plan->dtype = kv.scalar_type();
   const Problem& p = plan->problem;
-#if defined(LOOM_AVX2_ATTENTION)
-  constexpr int64_t kTileRows = kPromptTileRows;
-#else
-  constexpr int64_t kTileRows = kMaxTileRows;
-#endif
-  // Tiles of as many tokens as fit kTileRows query-head rows (at least one token).
+  // Tiles of as many tokens as fit kTileRows query-head rows (at least one token; a larger group
+  // takes the generic path, a token at a time).
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
-  TORCH_CHECK(group <= kTileRows || (D != 16 && D != 32 && D != 64 && D != 128),
-              "more query heads per kv head than a prompt tile holds");
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
   std::vector<Task>& tasks = plan->tasks;
   std::vector<int64_t> decodes;

@@ -12,10 +12,11 @@
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
 // AVX2-only builds also take float32 linears of 5-512 rows (linear_f32_rows: blocked dot products,
 // then packed panels), where torch's GEMM is slow with few rows.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <type_traits>
 #include <cstring>
@@ -113,12 +114,13 @@ constexpr int64_t kPrefetchRows = 16;
 // (pack_int8's blocks get both: 16 rows share x and still read one stream.)
 constexpr int64_t kStreamRows = 8;
 
-// Each format: load(n, k) -> W[n, k : k + kLanes] widened; finish(n, acc) applies per-row scales;
-// kBlockRows rows of W are walked together.
+// Each format: load(n, k) -> W[n, k : k + kLanes] widened, at(n, k) -> W[n, k] (the last k % (2 kLanes)
+// inputs, one at a time); finish(n, acc) applies per-row scales; kBlockRows rows of W are walked together.
 struct DenseF32 {
   static constexpr int64_t kBlockRows = 1;
   const float* w; int64_t k;
   Vec load(int64_t n, int64_t j) const { return load_f32(w + n * k + j); }
+  float at(int64_t n, int64_t j) const { return w[n * k + j]; }
   const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
   float finish(int64_t, float acc) const { return acc; }
 };
@@ -127,6 +129,7 @@ struct DenseBF16 {
   static constexpr int64_t kBlockRows = 1;
   const uint16_t* w; int64_t k;
   Vec load(int64_t n, int64_t j) const { return load_bf16(w + n * k + j); }
+  float at(int64_t n, int64_t j) const { return std::bit_cast<float>(static_cast<uint32_t>(w[n * k + j]) << 16); }
   const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
   float finish(int64_t, float acc) const { return acc; }
 };
@@ -135,6 +138,7 @@ struct Int8Rows {
   static constexpr int64_t kBlockRows = 8;
   const int8_t* w; const float* scale; int64_t k;
   Vec load(int64_t n, int64_t j) const { return load_i8(w + n * k + j); }
+  float at(int64_t n, int64_t j) const { return static_cast<float>(w[n * k + j]); }
   const void* addr(int64_t n, int64_t j) const { return w + n * k + j; }
   float finish(int64_t n, float acc) const { return acc * scale[n]; }
 };
@@ -190,11 +194,12 @@ inline void int4_block_dot(const Int4Rows& rows, int64_t n0, const float* xf, co
 template <int R, int MX, typename Rows>
 inline void block_dot(const Rows& rows, int64_t n0, const float* xf, int64_t k, float out[R][kXBlock]) {
   constexpr int U = R == 1 ? 2 : 1;
+  const int64_t whole = k - k % (U * kLanes);  // the rest: a scalar tail
   Vec acc[R][MX][U];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MX; ++i)
       for (int u = 0; u < U; ++u) acc[r][i][u] = vzero();
-  for (int64_t j = 0; j < k; j += U * kLanes) {
+  for (int64_t j = 0; j < whole; j += U * kLanes) {
     // Rows are short: prefetch a few rows ahead, where the hardware prefetcher starts late.
     for (int r = 0; r < R; ++r) __builtin_prefetch(rows.addr(n0 + r + kPrefetchRows, j));
     for (int u = 0; u < U; ++u) {
@@ -210,6 +215,7 @@ inline void block_dot(const Rows& rows, int64_t n0, const float* xf, int64_t k, 
     for (int i = 0; i < MX; ++i) {
       float s = 0.f;
       for (int u = 0; u < U; ++u) s += vsum(acc[r][i][u]);
+      for (int64_t j = whole; j < k; ++j) s += rows.at(n0 + r, j) * xf[i * k + j];
       out[r][i] = s;
     }
 }
@@ -250,7 +256,6 @@ inline void rows_block(const Rows& rows, int64_t n0, const float* xf, const floa
 template <typename T, typename Rows>
 void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % (2 * kLanes) == 0, "small_m_linear: K (", k, ") must be a multiple of ", 2 * kLanes);
   std::vector<float> xf(m * k);
   const T* xp = x.data_ptr<T>();
   for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(xp[i]);
@@ -631,7 +636,7 @@ inline void int4_avx2_row(const Int4Rows& rows, int64_t n, const QuantizedX& qx,
     for (; g + 8 <= groups; g += 8)
       offset = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g))),
                                _mm256_loadu_ps(sums + g), offset);
-    float total = vsum(_mm256_add_ps(acc[i], offset));
+    float total = loom::add_lanes_8(_mm256_add_ps(acc[i], offset));
     for (; g < groups; ++g) total += half_to_float(mins[g]) * sums[g];
     out[i] = total;
   }
