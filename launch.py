@@ -104,6 +104,25 @@ class ServerArgs:
         return cls(**vars(parser.parse_args(argv)))
 
 
+def flags_markdown() -> str:
+    """docs/flags.md: every ServerArgs field as its flag, from the dataclass itself (regenerate with
+    `python -c "import launch; print(launch.flags_markdown(), end='')" > docs/flags.md`)."""
+    rows = ["# Flags", "",
+            "Every flag of `python launch.py` (`--help` prints the same); `Engine(**kwargs)` takes the same",
+            "names with underscores (`--max-running-requests` is `Engine(max_running_requests=...)`).",
+            "Generated from `ServerArgs` in `launch.py`.", "",
+            "| flag | default | values | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            flag += f" / --no-{f.name.replace('_', '-')}"
+        values = ", ".join(f.metadata["choices"] or ()) or {"bool": "", "int": "integer", "int | None": "integer",
+                                                            "float": "number", "float | None": "number", "str": "text", "str | None": "text"}.get(f.type, "")
+        help_text = f.metadata["help"].replace("|", "\\|")
+        rows.append(f"| `{flag}` | `{f.default}` | {values} | {help_text} |")
+    return "\n".join(rows) + "\n"
+
+
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer (chat models often end
     turns with a token the base config does not list)."""
