@@ -12,6 +12,27 @@ from worker_proc import cpu_kernels
 from worker_proc.ops import (Ops, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8)
 
 
+_V3 = "avx avx2 fma f16c bmi1 bmi2 abm movbe"
+_V4 = _V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
+
+
+@pytest.mark.parametrize("march,flags,tested", [
+    ("znver3", _V3, ["native", "scalar"]),  # native runs avx2's paths: tested once, as native
+    # Zen 4's paths (AVX-512 with VNNI and BF16) as GCC 12 knows them: it predates -march=znver4
+    ("cooperlake", _V4 + " avx512_vnni avx512_bf16", ["native", "avx512", "avx2", "scalar"]),
+    ("sapphirerapids", _V4 + " avx512_vnni avx512_bf16 amx_tile", ["native", "avx512", "avx2", "scalar"]),
+    ("haswell", "avx avx2 fma f16c", ["native", "scalar"]),  # lacks movbe in cpuinfo: no portable avx2
+], ids=["zen3", "zen4", "xeon-spr", "no-movbe"])
+def test_the_levels_each_cpu_kind_tests(monkeypatch, march, flags, tested):
+    """Which builds the suite runs on each CPU kind, from its cpuinfo flags and what the compiler
+    makes of -march=<that CPU> (as -march=native would there)."""
+    if cpu_kernels._macros(march) is None:
+        pytest.skip("the compiler did not list its target macros")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set(flags.split()))
+    monkeypatch.setitem(cpu_kernels._MARCH, "native", march)
+    assert cpu_kernels.distinct_levels() == tested
+
+
 def test_each_build_runs_the_code_paths_of_its_level(kernel, request):
     level = request.node.callspec.params["kernel"]
     predicted = cpu_kernels.target_macros(level)

@@ -60,11 +60,15 @@ def supported_levels() -> list[str]:
     return [level for level in ISA_LEVELS if _NEEDS[level] <= flags]
 
 
-@cache
 def target_macros(level: str) -> frozenset[str] | None:
     """PATH_MACROS the compiler defines for `level` on this machine (None if it cannot tell)."""
+    return _macros(_MARCH[level])
+
+
+@cache
+def _macros(march: str) -> frozenset[str] | None:
     try:
-        out = subprocess.run([os.environ.get("CXX", "c++"), f"-march={_MARCH[level]}", "-dM", "-E", "-x", "c++",
+        out = subprocess.run([os.environ.get("CXX", "c++"), f"-march={march}", "-dM", "-E", "-x", "c++",
                               os.devnull], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
