@@ -30,6 +30,8 @@ from scheduler_proc.prefill_adder import admission_policy_names
 from worker_proc.cpu_kernels import ISA_LEVELS
 from worker_proc.dtype_probe import DTYPES
 from worker_proc.linear import QUANTIZATIONS
+from worker_proc.model_config import ModelConfig
+from worker_proc.tensor_parallel import TPShard
 
 log = logging.getLogger("loom")
 ROOT = Path(__file__).resolve().parent
@@ -77,7 +79,11 @@ class ServerArgs:
                                      "int4 (groups of 32, as GGUF Q4_1)", choices=QUANTIZATIONS)
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     schedule_policy: str = _arg("fcfs", "waiting-queue order", choices=tuple(queue_policy_names()))
-    num_threads: int | None = _arg(None, "torch threads in the worker (default: all cores)")
+    num_threads: int | None = _arg(None, "torch threads in each worker (default: the cores divided among the "
+                                         "tensor-parallel ranks)")
+    tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
+                           "MLP columns, vocabulary rows) and run every step together (torch.distributed: gloo on "
+                           "CPU); it must divide the attention heads and the MLP size")
     served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
     api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
@@ -89,6 +95,8 @@ class ServerArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size}: at least 1")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
@@ -143,8 +151,11 @@ class Launcher:
     """Spawns the detokenizer, scheduler and worker, waits until each is ready, and watches
     them: any child's death takes the whole tree down."""
 
-    CHILDREN = [("detokenizer", "detokenizer_proc.process"), ("worker", "worker_proc.process"),
-                ("scheduler", "scheduler_proc.process")]
+    def children(self) -> list[tuple[str, str, int]]:
+        """(name, module, tensor-parallel rank) of every child process."""
+        workers = [(f"worker_tp{r}" if self.args.tp_size > 1 else "worker", "worker_proc.process", r)
+                   for r in range(self.args.tp_size)]
+        return [("detokenizer", "detokenizer_proc.process", 0), *workers, ("scheduler", "scheduler_proc.process", 0)]
 
     def __init__(self, args: ServerArgs, model_dir: Path, extra: dict[str, Any]):
         self.args = args
@@ -160,13 +171,16 @@ class Launcher:
         inbox = Receiver(self._ctx, zmq.PULL, self.endpoints.launcher, ToLauncher)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         server_args = {**dataclasses.asdict(self.args), **self.extra}
-        for name, module in self.CHILDREN:
-            cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args)
+        if self.args.tp_size > 1:  # where the tensor-parallel ranks meet (torch.distributed's TCP store)
+            server_args["dist_init_addr"] = f"127.0.0.1:{_free_port()}"
+        children = self.children()
+        for name, module, tp_rank in children:
+            cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args, tp_rank=tp_rank)
             self.procs[name] = subprocess.Popen([sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
                                                 env=env, cwd=str(ROOT))
         try:
             deadline = time.monotonic() + self.args.startup_timeout_s
-            while len(self.ready_info) < len(self.CHILDREN):
+            while len(self.ready_info) < len(children):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"loom processes not ready after {self.args.startup_timeout_s:.0f} s")
                 dead = self._dead_child()
@@ -221,6 +235,14 @@ class Launcher:
         self._ctx.term()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _prepare(args: ServerArgs):
     """Set up logging, resolve (and on first use convert) the model, load its tokenizer, start
     the processes. Returns the model folder, tokenizer, launcher and the server info."""
@@ -230,11 +252,13 @@ def _prepare(args: ServerArgs):
 
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
     model_dir = resolve_model_path(args.model_path)
+    TPShard.of(ModelConfig.from_dir(model_dir), 0, args.tp_size)  # a size that does not divide the model: refused now
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
     launcher.start()
-    info = {"model_path": str(model_dir), **launcher.ready_info.get("scheduler", {}),
-            **launcher.ready_info.get("worker", {})}
+    worker = launcher.ready_info.get("worker") or launcher.ready_info.get("worker_tp0", {})
+    info = {"model_path": str(model_dir), **launcher.ready_info.get("scheduler", {}), **worker,
+            "tp_size": args.tp_size}
     return model_dir, tokenizer, launcher, info
 
 

@@ -12,7 +12,7 @@ import zmq
 
 class Endpoints(msgspec.Struct):
     scheduler_in: str  # tokenizer -> scheduler
-    worker_in: str  # scheduler -> worker
+    worker_in: str  # scheduler -> worker (one socket per tensor-parallel rank: worker_in_of)
     scheduler_results: str  # worker -> scheduler
     detokenizer_in: str  # scheduler -> detokenizer
     tokenizer_in: str  # detokenizer -> tokenizer
@@ -22,6 +22,10 @@ class Endpoints(msgspec.Struct):
     def create(cls) -> "Endpoints":
         base = tempfile.mkdtemp(prefix="loom-")  # mkdtemp makes it 0700
         return cls(**{name: f"ipc://{base}/{name}" for name in cls.__struct_fields__})
+
+    def worker_in_of(self, tp_rank: int) -> str:
+        """The scheduler -> worker socket of one tensor-parallel rank."""
+        return f"{self.worker_in}-{tp_rank}"
 
     @property
     def directory(self) -> str:
@@ -37,6 +41,10 @@ class Sender:
 
     def send(self, msg: Any, flags: int = 0) -> None:
         self.socket.send(self._encoder.encode(msg), flags, copy=False)
+
+    def send_encoded(self, frame: bytes) -> None:
+        """A message encoded once (msgspec msgpack) for several sockets."""
+        self.socket.send(frame, copy=False)
 
 
 class Receiver:

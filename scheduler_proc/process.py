@@ -7,6 +7,7 @@ import logging
 import re
 import time
 
+import msgspec
 import zmq
 
 from detokenizer_proc.decoder import load_decoder
@@ -53,16 +54,23 @@ class SchedulerProcess:
         ctx = zmq.Context()
         self.requests = Receiver(ctx, zmq.PULL, ep.scheduler_in, ToScheduler)
         self.results = Receiver(ctx, zmq.PULL, ep.scheduler_results, FromWorker)
-        self.worker = Sender(ctx, zmq.PUSH, ep.worker_in, bind=True)
+        # one socket per tensor-parallel rank: every rank runs every step
+        self.workers = [Sender(ctx, zmq.PUSH, ep.worker_in_of(rank), bind=True) for rank in range(args["tp_size"])]
         self.detokenizer = Sender(ctx, zmq.PUSH, ep.detokenizer_in)
+        self.encoder = msgspec.msgpack.Encoder()
         self.poller = zmq.Poller()
         self.poller.register(self.requests.socket, zmq.POLLIN)
         self.poller.register(self.results.socket, zmq.POLLIN)
 
-        ready = self.results.recv()
-        if isinstance(ready, WorkerError):
-            raise RuntimeError(f"worker failed to start: {ready.message}")
-        assert isinstance(ready, WorkerReady)
+        readies = []
+        while len(readies) < len(self.workers):
+            ready = self.results.recv()
+            if isinstance(ready, WorkerError):
+                raise RuntimeError(f"worker failed to start: {ready.message}")
+            assert isinstance(ready, WorkerReady)
+            readies.append(ready)
+        # the ranks plan the same pool; the smallest is what they all hold
+        ready = min(readies, key=lambda r: r.max_total_tokens)
         decoder = load_decoder(config.model_dir)
         eos = tuple(args.get("eos_token_ids") or ())
         self.core = SchedulerCore(
@@ -144,7 +152,9 @@ class SchedulerProcess:
                 # Idle: sleep until a request arrives (or a queued one's timeout may be due).
                 self.requests.poll(1000 if self.core.waiting or self.core.running else -1)
                 continue
-            self.worker.send(batch.to_worker_batch())
+            wire = self.encoder.encode(batch.to_worker_batch())
+            for worker in self.workers:
+                worker.send_encoded(wire)
             result = self.wait_result()
             self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
 

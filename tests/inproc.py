@@ -108,3 +108,14 @@ def build_tiny_checkpoint(arch: str, out_dir, seed: int = 0, **sizes) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def with_tokenizer(checkpoint: Path, tokenizer_dir: Path) -> Path:
+    """Copies a tokenizer (the default model's) into a tiny checkpoint, so the full server (which
+    tokenizes and detokenizes) can serve it; token ids below the tiny vocabulary decode as usual."""
+    import shutil
+
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, checkpoint / f.name)
+    return checkpoint

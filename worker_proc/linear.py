@@ -7,14 +7,18 @@ import torch
 from torch import nn
 
 from worker_proc.ops import INT4_GROUP, Ops, quantize_int4, quantize_int8
+from worker_proc.tensor_parallel import TPGroup
 
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops, input_sharded: bool = False):
         super().__init__()
         self.ops = ops
+        # holds some input columns of a row-parallel layer (tensor parallelism): its output is a
+        # partial sum, and a row's int8 scale comes from every rank's columns
+        self.input_sharded = input_sharded
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         # The weight as the kernel's panels read it (see pack_weight); not part of the checkpoint.
@@ -34,10 +38,11 @@ class Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops,
+                 row_absmax: torch.Tensor | None = None):
         super().__init__()
         self.ops = ops
-        q, scale = quantize_int8(weight)
+        q, scale = quantize_int8(weight, row_absmax)
         self.register_buffer("qweight", ops.pack_int8(q, weight.dtype))
         self.register_buffer("scale", scale)
         self.bias = bias
@@ -69,9 +74,11 @@ class Int4Linear(nn.Module):
         return [self.qweight, self.scale, self.minimum], self.bias
 
 
-def quantize_linears(model: nn.Module, scheme: str) -> int:
+def quantize_linears(model: nn.Module, scheme: str, tp: TPGroup | None = None) -> int:
     """Replaces every `Linear` in `model` by its quantized form (call after the dtype cast: the
-    scales stay float32). Returns how many were replaced."""
+    scales stay float32). Under tensor parallelism every rank calls it on its shard; int8 rows
+    split across the ranks take the whole row's scale, so the codes are those of one rank.
+    Returns how many were replaced."""
     if scheme == "none":
         return 0
     cls = {"int8": Int8Linear, "int4": Int4Linear}.get(scheme)
@@ -81,9 +88,15 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
                for name, child in parent.named_children() if isinstance(child, Linear)]
     for parent, name, child in targets:
         bias = None if child.bias is None else child.bias.detach()
+        weight = child.weight.detach()
         # int4 groups are 32 inputs: a linear with another input size keeps 8 bits
-        fits = cls is not Int4Linear or child.weight.shape[1] % INT4_GROUP == 0
-        setattr(parent, name, (cls if fits else Int8Linear)(child.weight.detach(), bias, child.ops))
+        if cls is Int4Linear and weight.shape[1] % INT4_GROUP == 0:
+            setattr(parent, name, Int4Linear(weight, bias, child.ops))
+            continue
+        absmax = None
+        if child.input_sharded and tp is not None and tp.size > 1:
+            absmax = tp.all_reduce_max(weight.abs().amax(dim=1).float())
+        setattr(parent, name, Int8Linear(weight, bias, child.ops, absmax))
     return len(targets)
 
 

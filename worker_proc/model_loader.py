@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -78,7 +78,9 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     print("loom: conversion done", flush=True)
 
 
-def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) of every tensor in the checkpoint: `src[:]` reads it whole,
+    `src[a:b]` or `src[:, a:b]` only those rows or columns (a tensor-parallel rank's shard)."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -87,4 +89,4 @@ def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                yield name, st.get_slice(name)

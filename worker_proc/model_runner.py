@@ -21,6 +21,7 @@ from worker_proc.models import MODEL_CLASSES
 from worker_proc.ops import Ops
 from worker_proc.penalties import OutputTokenCounts, PenaltyBatch, PromptTokenMask, logprobs
 from worker_proc.sampler import SamplingBatch, sample
+from worker_proc.tensor_parallel import TPGroup, TPShard
 
 log = logging.getLogger("loom.worker")
 
@@ -39,10 +40,12 @@ class RunnerConfig:
     eos_token_ids: tuple[int, ...] = ()
 
 
-def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float) -> int:
-    """KV slots that fit the memory budget (`--kv-cache-gb` on CPU)."""
-    per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
-    slots = int(kv_cache_gb * (1 << 30)) // per_token
+def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float, shard: TPShard | None = None) -> int:
+    """KV slots that fit the memory budget (`--kv-cache-gb` on CPU: all tensor-parallel ranks
+    together, each holding its KV heads' part of every slot)."""
+    shard = shard or TPShard.of(config)
+    per_token = KVPool.bytes_per_token(config.num_layers, shard.num_kv_heads, config.head_dim, dtype)
+    slots = int(kv_cache_gb / shard.size * (1 << 30)) // per_token
     if slots < 16:
         raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds only {slots} tokens ({per_token} bytes each)")
     return slots
@@ -68,7 +71,10 @@ def _load_kernels(backend: str, device: str, isa: str):
 
 
 class ModelRunner:
-    def __init__(self, rc: RunnerConfig):
+    """One worker's model, KV pool and sampler: the whole model, or with `tp` one tensor-parallel
+    rank's shard (rank 0 samples; the other ranks' forward returns no ids)."""
+
+    def __init__(self, rc: RunnerConfig, tp: TPGroup | None = None):
         self.config = ModelConfig.from_dir(rc.model_dir)
         self.dtype = rc.dtype
         self.device = rc.device
@@ -80,19 +86,24 @@ class ModelRunner:
         self.kernel_isa = ("none (plain torch ops)" if kernels is None
                            else cpu_kernels.describe(rc.kernel_isa, kernels.target_macros()))
         ops = Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)
-        model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len, ops)
+        self.tp = tp = tp or TPGroup()
+        self.shard = shard = TPShard.of(self.config, tp.rank, tp.size)
+        model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len, ops, shard, tp)
         model.load_weights(iter_checkpoint_tensors(rc.model_dir))
         self.model = model.to(dtype=rc.dtype, device=rc.device).eval()
-        quantize_linears(self.model, rc.quantization)  # after the cast: scales stay float32
+        quantize_linears(self.model, rc.quantization, tp)  # after the cast: scales stay float32
         pack_dense_weights(self.model)
         self.model.build_layer_stack()
-        self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb)
-        self.pool = KVPool(self.config.num_layers, self.num_slots, self.config.num_kv_heads, self.config.head_dim,
+        self.weight_bytes = sum(t.numel() * t.element_size()
+                                for t in {id(t): t for t in (*self.model.parameters(), *self.model.buffers())
+                                          if t is not None}.values())
+        self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb, shard)
+        self.pool = KVPool(self.config.num_layers, self.num_slots, shard.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)
         if kernels is not None:
             self.attn = PagedKernelAttention(self.pool, self.config.head_dim, kernels)
         else:
-            self.attn = TorchAttention(self.pool, self.config.num_heads, self.config.head_dim)
+            self.attn = TorchAttention(self.pool, shard.num_heads, self.config.head_dim)
         # Greedy rows need only the index of each row's largest logit.
         self.argmax = kernels.argmax_rows if kernels is not None else lambda logits: logits.float().argmax(dim=-1)
         self.eos_token_ids = tuple(rc.eos_token_ids) or self.config.eos_token_ids
@@ -115,7 +126,7 @@ class ModelRunner:
         if batch.forks:
             self._apply_forks(batch.forks)
         model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
-        if not batch.sampling:
+        if not batch.sampling or model_logits is None:  # (None: a tensor-parallel rank other than 0)
             return [], []
         pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
                                 self.eos_token_ids)

@@ -121,10 +121,12 @@ class Ops:
 
 # ---- weight-only quantization formats -------------------------------------------------------------
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per output row: w ~ q * scale, q in [-127, 127]."""
+def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output row: w ~ q * scale, q in [-127, 127], scale = max|row| / 127 (the
+    whole row's max where `weight` holds only some of its columns: a tensor-parallel shard)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    absmax = w.abs().amax(dim=1) if row_absmax is None else row_absmax.float()
+    scale = (absmax / 127.0).clamp_min(1e-12)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 

@@ -1,4 +1,5 @@
-"""The worker process: loads the model and KV pool, then runs every batch it is sent."""
+"""The worker process: loads the model (or its tensor-parallel rank's shard) and KV pool, then
+runs every batch it is sent. Every rank runs every step; rank 0 returns the sampled ids."""
 
 from __future__ import annotations
 
@@ -17,47 +18,56 @@ log = logging.getLogger("loom.worker")
 
 def main(config: ChildConfig, report_ready) -> None:
     args = config.server_args
+    rank, tp_size = config.tp_rank, args["tp_size"]
     ctx = zmq.Context()
-    batches = Receiver(ctx, zmq.PULL, config.endpoints.worker_in, ToWorker, bind=False)
+    batches = Receiver(ctx, zmq.PULL, config.endpoints.worker_in_of(rank), ToWorker, bind=False)
     results = Sender(ctx, zmq.PUSH, config.endpoints.scheduler_results)
 
     import torch  # after the sockets: a failure to import still reaches the scheduler
 
-    from worker_proc.dtype_probe import resolve_dtype
+    from worker_proc.dtype_probe import DTYPES, resolve_dtype
     from worker_proc.model_runner import ModelRunner, RunnerConfig
+    from worker_proc.tensor_parallel import TPGroup
 
-    torch.set_num_threads(args.get("num_threads") or os.cpu_count() or 1)
+    torch.set_num_threads(args.get("num_threads") or max(1, (os.cpu_count() or 1) // tp_size))
     try:
-        dtype, why = resolve_dtype(args["dtype"], args["device"])
+        tp = TPGroup.connect(rank, tp_size, args["dist_init_addr"], args["device"]) if tp_size > 1 else TPGroup()
+        dtypes = list(DTYPES.values())
+        dtype, why = resolve_dtype(args["dtype"], args["device"]) if rank == 0 else (None, "")
+        dtype = dtypes[tp.broadcast_index(dtypes.index(dtype) if rank == 0 else 0)]  # rank 0's choice
+        why = why or f"dtype {str(dtype).removeprefix('torch.')} (as tp rank 0)"
         runner = ModelRunner(RunnerConfig(
             model_dir=config.model_dir, dtype=dtype, kv_cache_gb=args["kv_cache_gb"],
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
             device=args["device"], kernel_backend=args["kernel_backend"],
             kernel_isa=args["kernel_isa"], quantization=args["quantization"],
-            eos_token_ids=tuple(args.get("eos_token_ids") or ())))
+            eos_token_ids=tuple(args.get("eos_token_ids") or ())), tp)
     except Exception as e:
-        results.send(WorkerError(f"{type(e).__name__}: {e}"))
+        results.send(WorkerError(f"tp rank {rank}: {type(e).__name__}: {e}"))
         raise
     dtype_name = str(dtype).removeprefix("torch.")
-    log.info("%s; %d threads; KV pool %d tokens; kernels %s; quantization %s", why, torch.get_num_threads(),
-             runner.num_slots, runner.kernel_isa, args["quantization"])
+    log.info("%s; %d threads; KV pool %d tokens; kernels %s; quantization %s%s", why, torch.get_num_threads(),
+             runner.num_slots, runner.kernel_isa, args["quantization"],
+             f"; tp rank {rank} of {tp_size}" if tp_size > 1 else "")
     results.send(WorkerReady(runner.num_slots, runner.context_len, dtype_name, args["device"]))
     report_ready({"kv_slots": runner.num_slots, "dtype": dtype_name, "dtype_reason": why,
                   "threads": torch.get_num_threads(), "kernel_backend": runner.kernel_backend,
-                  "kernel_isa": runner.kernel_isa,
-                  "quantization": args["quantization"]})
+                  "kernel_isa": runner.kernel_isa, "quantization": args["quantization"],
+                  "tp_rank": rank, "weight_bytes": runner.weight_bytes})
     while True:
         msg = batches.recv()
         if isinstance(msg, Shutdown):
+            tp.close()
             return
         assert isinstance(msg, ModelWorkerBatch)
         t = time.perf_counter()
         try:
             ids, logprobs = runner.forward_with_logprobs(msg)
         except Exception as e:
-            results.send(WorkerError(f"forward failed at step {msg.step}: {type(e).__name__}: {e}"))
+            results.send(WorkerError(f"tp rank {rank}: forward failed at step {msg.step}: {type(e).__name__}: {e}"))
             raise
-        results.send(BatchResult(msg.step, ids, time.perf_counter() - t, logprobs))
+        if rank == 0:
+            results.send(BatchResult(msg.step, ids, time.perf_counter() - t, logprobs))
 
 
 if __name__ == "__main__":

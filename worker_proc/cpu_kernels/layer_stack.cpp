@@ -4,8 +4,10 @@
 // pay a Python call and dispatch each: at batch 1 that glue costs as much as a quarter of the
 // step (and every Python op after the weights streamed through the caches runs cold).
 
+#include <pybind11/functional.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <functional>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -59,6 +61,15 @@ class LayerStack {
     lm_head_ = from_spec(lm_head);
   }
 
+  // One tensor-parallel rank's shard: its embedding rows are vocabulary ids [vocab_start,
+  // vocab_start + vocab_rows), and all_reduce sums a tensor over the ranks in place (the
+  // embedding lookup, o_proj's and down_proj's partial sums). The logits stay this rank's rows.
+  void set_tensor_parallel(int64_t vocab_start, int64_t vocab_rows, std::function<void(torch::Tensor)> all_reduce) {
+    vocab_start_ = vocab_start;
+    vocab_rows_ = vocab_rows;
+    all_reduce_ = std::move(all_reduce);
+  }
+
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
                  const LinearSpec& gate_up, const LinearSpec& down) {
     layers_.push_back({input_norm, post_norm, from_spec(qkv), from_spec(o), from_spec(gate_up), from_spec(down)});
@@ -72,7 +83,7 @@ class LayerStack {
                         torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
     TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
     TORCH_CHECK(embedding_.defined(), "set_head first");
-    torch::Tensor x = embedding_.index_select(0, input_ids);
+    torch::Tensor x = embed(input_ids);
     const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
     const auto attention = plan_paged_attention(t, num_heads_, kv[0], req_to_token, req_idx, token_starts, extend_lens,
@@ -90,14 +101,29 @@ class LayerStack {
       rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
       store_kv(kv[i], out_cache_loc, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size));
       torch::Tensor attn = run_paged_attention(*attention, qkv.narrow(1, 0, q_size).view({t, num_heads_, head_dim_}), kv[i]);
-      h = add_rms_norm(layer.o(attn.view({t, q_size})), residual, layer.post_norm, eps_);
-      x = layer.down(silu_mul(layer.gate_up(h)));
+      h = add_rms_norm(reduced(layer.o(attn.view({t, q_size}))), residual, layer.post_norm, eps_);
+      x = reduced(layer.down(silu_mul(layer.gate_up(h))));
     }
     return lm_head_(add_rms_norm(x.index_select(0, logit_rows), residual.index_select(0, logit_rows), final_norm_, eps_));
   }
 
  private:
+  torch::Tensor reduced(torch::Tensor t) const {
+    if (all_reduce_) all_reduce_(t);
+    return t;
+  }
+
+  torch::Tensor embed(const torch::Tensor& ids) const {
+    if (!all_reduce_) return embedding_.index_select(0, ids);
+    const torch::Tensor local = ids - vocab_start_;
+    const torch::Tensor outside = local.lt(0).logical_or(local.ge(vocab_rows_));
+    torch::Tensor x = embedding_.index_select(0, local.masked_fill(outside, 0));
+    return reduced(x.masked_fill_(outside.unsqueeze(1), 0));
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t vocab_start_ = 0, vocab_rows_ = 0;
+  std::function<void(torch::Tensor)> all_reduce_;
   double eps_;
   std::vector<Layer> layers_;
   torch::Tensor embedding_, final_norm_;
@@ -109,5 +135,6 @@ void bind_layer_stack(pybind11::module_& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("set_head", &LayerStack::set_head)
       .def("add_layer", &LayerStack::add_layer)
+      .def("set_tensor_parallel", &LayerStack::set_tensor_parallel)
       .def("forward", &LayerStack::forward);
 }

@@ -8,7 +8,7 @@ reference implementation so float32 greedy outputs match token for token.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from worker_proc.huge_pages import pack_on_huge_pages
 from worker_proc.linear import Linear
 from worker_proc.model_config import ModelConfig
 from worker_proc.ops import Ops
+from worker_proc.tensor_parallel import TPGroup, TPShard
 
 
 class RMSNorm(nn.Module):
@@ -66,15 +67,19 @@ def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, ops: Ops):
+    """This rank's query and KV heads (all of them without tensor parallelism); o_proj's partial
+    sums are all-reduced over the ranks."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, ops: Ops, shard: TPShard, tp: TPGroup):
         super().__init__()
         self.layer_id = layer_id
         self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, ops)
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, ops)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, ops, input_sharded=tp.size > 1)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
 
@@ -91,28 +96,29 @@ class Attention(nn.Module):
         # q and k heads are adjacent in the fused projection: one in-place rotation covers both.
         self.ops.rope_(qkv, positions, rotary.cos, rotary.sin, self.num_heads + self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer_id, q, k, v)
-        return self.o_proj(out.view(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig, ops: Ops, shard: TPShard, tp: TPGroup):
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, ops)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, ops)
+        self.tp = tp
+        self.gate_up_proj = Linear(config.hidden_size, 2 * shard.intermediate_size, False, ops)
+        self.down_proj = Linear(shard.intermediate_size, config.hidden_size, False, ops, input_sharded=tp.size > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, ops: Ops):
+    def __init__(self, config: ModelConfig, layer_id: int, ops: Ops, shard: TPShard, tp: TPGroup):
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, layer_id, ops)
+        self.self_attn = Attention(config, layer_id, ops, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, shard, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,15 +135,22 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, ops: Ops | None = None):
+    """The model, or one tensor-parallel rank's shard of it (`shard`, `tp`): forward returns the
+    logits of the whole vocabulary on rank 0 and None on the other ranks."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, ops: Ops | None = None,
+                 shard: TPShard | None = None, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
         self.ops = ops = ops or Ops()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops) for i in range(config.num_layers))
+        self.shard = shard = shard or TPShard.of(config)
+        self.tp = tp = tp or TPGroup()
+        # vocabulary rows [vocab_start, vocab_start + vocab_rows) of the embedding and LM head
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
+        self.lm_head = Linear(config.hidden_size, shard.vocab_rows, False, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.layer_stack = None  # see build_layer_stack
@@ -149,12 +162,22 @@ class CausalLM(nn.Module):
         """Logits, in the model's dtype, of the token rows in `logit_rows`."""
         run_model = getattr(attn, "run_model", None)
         if self.layer_stack is not None and run_model is not None and len(input_ids) <= self.layer_stack_rows:
-            return run_model(self.layer_stack, input_ids, logit_rows, positions, self.rotary.cos, self.rotary.sin)
-        x, residual = self.embed_tokens(input_ids), None
+            logits = run_model(self.layer_stack, input_ids, logit_rows, positions, self.rotary.cos, self.rotary.sin)
+            return self.tp.gather_vocab(logits, self.config.vocab_size)
+        x, residual = self._embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
         h, _ = self.ops.add_rms_norm(x[logit_rows], residual[logit_rows], self.norm.weight, self.norm.eps)
-        return self.lm_head(h)
+        return self.tp.gather_vocab(self.lm_head(h), self.config.vocab_size)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # vocabulary-parallel: each rank looks up the ids it holds, zeros elsewhere, then the sum
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_end - self.shard.vocab_start)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def build_layer_stack(self) -> bool:
         """Hands the weights to the compiled layer stack, which then runs small steps from token
@@ -166,8 +189,11 @@ class CausalLM(nn.Module):
             return False
         self._pack_weights_in_step_order()
         c = self.config
-        stack = kernels.LayerStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        stack = kernels.LayerStack(self.shard.num_heads, self.shard.num_kv_heads, c.head_dim, c.rms_norm_eps)
         stack.set_head(self.embed_tokens.weight, self.norm.weight, self.lm_head.kernel_spec())
+        if self.tp.size > 1:
+            stack.set_tensor_parallel(self.shard.vocab_start, self.shard.vocab_end - self.shard.vocab_start,
+                                      self.tp.all_reduce)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -199,8 +225,10 @@ class CausalLM(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Takes Hugging Face tensor names; fuses q/k/v and gate/up into their packed params."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Takes Hugging Face tensor names, each with a tensor or a lazy slice
+        (model_loader.iter_checkpoint_tensors: a tensor-parallel rank reads only its shard);
+        fuses q/k/v and gate/up into their packed params."""
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         params = dict(self.named_parameters())
@@ -212,32 +240,52 @@ class CausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             parts = name.split(".")
-            shard = None
+            fused_index = None
             if len(parts) >= 2 and parts[-2] in fused:
-                target, shard = fused[parts[-2]]
+                target, fused_index = fused[parts[-2]]
                 parts[-2] = target
             target_name = ".".join(parts)
             if target_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
             param = params[target_name]
+            tensor = _read(tensor, self._tp_slice(name.split(".")))
             with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, name)
-                else:
-                    start, size = self._shard_range(parts[-2], shard)
-                    _copy_checked(param.narrow(0, start, size), tensor, name)
-            loaded.add(f"{target_name}#{shard}")
+                if fused_index is not None:
+                    start, size = self._fused_range(parts[-2], fused_index)
+                    param = param.narrow(0, start, size)
+                elif parts[0] in ("embed_tokens", "lm_head") and len(tensor) < len(param):
+                    param[len(tensor):].zero_()  # the last rank's padding rows of the vocabulary
+                    param = param[: len(tensor)]
+                _copy_checked(param, tensor, name)
+            loaded.add(f"{target_name}#{fused_index}")
         expected = self._expected_loads(params)
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        c = self.config
+    def _fused_range(self, fused_name: str, index: int) -> tuple[int, int]:
+        s, d = self.shard, self.config.head_dim
         if fused_name == "qkv_proj":
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        return (shard * c.intermediate_size, c.intermediate_size)
+            q, kv = s.num_heads * d, s.num_kv_heads * d
+            return [(0, q), (q, kv), (q + kv, kv)][index]
+        return (index * s.intermediate_size, s.intermediate_size)
+
+    def _tp_slice(self, parts: list[str]) -> tuple[int, int, int] | None:
+        """(dim, start, size): the part of checkpoint tensor `parts` (its name, split) this rank
+        holds; None for all of it."""
+        s, d = self.shard, self.config.head_dim
+        if s.size == 1:
+            return None
+        if parts[0] in ("embed_tokens", "lm_head"):
+            return 0, s.vocab_start, s.vocab_end - s.vocab_start
+        owner = parts[-2] if len(parts) >= 2 else ""
+        return {"q_proj": (0, s.head_start * d, s.num_heads * d),
+                "k_proj": (0, s.kv_head_start * d, s.num_kv_heads * d),
+                "v_proj": (0, s.kv_head_start * d, s.num_kv_heads * d),
+                "o_proj": (1, s.head_start * d, s.num_heads * d),
+                "gate_proj": (0, s.intermediate_start, s.intermediate_size),
+                "up_proj": (0, s.intermediate_start, s.intermediate_size),
+                "down_proj": (1, s.intermediate_start, s.intermediate_size)}.get(owner)
 
     def _expected_loads(self, params: dict) -> set[str]:
         expected = set()
@@ -249,6 +297,16 @@ class CausalLM(nn.Module):
             else:
                 expected.add(f"{name}#None")
         return expected
+
+
+def _read(src: Any, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """src (a tensor or a lazy safetensors slice), whole or only `part` (dim, start, size)."""
+    if part is None:
+        return src if isinstance(src, torch.Tensor) else src[:]
+    dim, start, size = part
+    if isinstance(src, torch.Tensor):
+        return src.narrow(dim, start, size)
+    return src[(slice(None),) * dim + (slice(start, start + size),)]
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -1,0 +1,134 @@
+"""Tensor parallelism: which part of the model a rank holds, and the collectives between ranks.
+
+A model splits over `size` worker processes, Megatron style: the fused QKV and gate/up
+projections by output rows (each rank its query heads, its KV heads and its share of the MLP),
+o_proj and down_proj by input columns (partial sums, one all-reduce each), the embedding and
+the LM head by vocabulary rows. With fewer KV heads than ranks, each KV head is replicated on the
+ranks whose query heads use it. Norms are replicated.
+
+The logits are gathered on rank 0, which samples: the scheduler sends every step's token ids to
+every rank, so the others never need the sampled ids, and sampling (penalties, seeds, logprobs)
+stays one code path over the whole vocabulary.
+
+Collectives are torch.distributed's (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_proc.model_config import ModelConfig
+
+
+def valid_tp_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
+    return [n for n in range(1, limit + 1) if _tp_problem(config, n) is None]
+
+
+def _tp_problem(config: ModelConfig, size: int) -> str | None:
+    if config.num_heads % size:
+        return f"{config.num_heads} attention heads"
+    if config.num_kv_heads % size and size % config.num_kv_heads:
+        return f"{config.num_kv_heads} KV heads (neither divides the other)"
+    if config.intermediate_size % size:
+        return f"an MLP of {config.intermediate_size}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """What rank `rank` of `size` holds of a model: heads, KV heads, MLP columns and vocabulary rows."""
+
+    rank: int
+    size: int
+    num_heads: int  # query heads on this rank
+    head_start: int
+    num_kv_heads: int  # KV heads on this rank (1 where replicated)
+    kv_head_start: int
+    intermediate_size: int
+    intermediate_start: int
+    vocab_rows: int  # rows of the embedding / LM head per rank (the vocabulary padded to size x this)
+    vocab_start: int
+    vocab_size: int  # the model's whole vocabulary
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int = 0, size: int = 1) -> "TPShard":
+        problem = _tp_problem(config, size)
+        if problem is not None:
+            raise ValueError(f"--tp-size {size} does not divide {problem}; this model runs at --tp-size "
+                             f"{', '.join(map(str, valid_tp_sizes(config)))}")
+        heads = config.num_heads // size
+        if config.num_kv_heads >= size:
+            kv_heads, kv_start = config.num_kv_heads // size, rank * (config.num_kv_heads // size)
+        else:  # replicated: the KV head of this rank's query heads
+            kv_heads, kv_start = 1, rank * config.num_kv_heads // size
+        inter = config.intermediate_size // size
+        vocab_rows = -(-config.vocab_size // size)
+        return cls(rank, size, heads, rank * heads, kv_heads, kv_start, inter, rank * inter, vocab_rows,
+                   rank * vocab_rows, config.vocab_size)
+
+    @property
+    def vocab_end(self) -> int:
+        """Where this rank's real vocabulary rows end (the last rank's padding rows are past it)."""
+        return min(self.vocab_start + self.vocab_rows, self.vocab_size)
+
+
+class TPGroup:
+    """The collectives of one tensor-parallel group (no-ops at size 1)."""
+
+    def __init__(self, rank: int = 0, size: int = 1):
+        self.rank, self.size = rank, size
+
+    @classmethod
+    def connect(cls, rank: int, size: int, init_addr: str, device: str = "cpu") -> "TPGroup":
+        import torch.distributed as dist
+
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size)
+        return cls(rank, size)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the ranks, in place; returns it."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x)
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of x over the ranks, in place; returns it."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Each rank's logits [R, vocab_rows] -> [R, vocab_size] on rank 0; None on the others."""
+        if self.size == 1:
+            return logits
+        import torch.distributed as dist
+
+        logits = logits.contiguous()
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(logits, parts, dst=0)
+        return torch.cat(parts, dim=1)[:, :vocab_size] if parts is not None else None
+
+    def broadcast_index(self, index: int) -> int:
+        """rank 0's `index` on every rank: a choice made once (such as the dtype), as a tensor
+        (torch.distributed's object broadcast would pickle)."""
+        if self.size == 1:
+            return index
+        import torch.distributed as dist
+
+        box = torch.tensor([index], dtype=torch.int64)
+        dist.broadcast(box, src=0)
+        return int(box.item())
+
+    def close(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
