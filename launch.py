@@ -25,6 +25,7 @@ import zmq
 from ipc.messages import ProcFailed, ProcReady, ToLauncher
 from ipc.proc import ChildConfig
 from ipc.sockets import Endpoints, Receiver
+from scheduler_proc.load_balancer import load_balance_method_names
 from scheduler_proc.policies import queue_policy_names
 from scheduler_proc.prefill_adder import admission_policy_names
 from worker_proc.cpu_kernels import ISA_LEVELS
@@ -51,7 +52,8 @@ class ServerArgs:
     dtype: str = _arg("auto", "compute dtype (auto times float32 and bfloat16 GEMMs on this CPU at start-up)",
                       choices=("auto", *DTYPES))
     device: str = _arg("cpu", "compute device", choices=("cpu",))
-    kv_cache_gb: float = _arg(2.0, "memory for the KV cache, in GiB")
+    kv_cache_gb: float = _arg(2.0, "memory for the KV cache of the whole server, in GiB (the data- and "
+                                   "tensor-parallel ranks share it)")
     max_running_requests: int = _arg(64, "requests decoding at once")
     max_prefill_tokens: int = _arg(1024, "prompt tokens computed per step")
     chunked_prefill_size: int = _arg(1024, "most prompt tokens of one request per step; longer prompts are split "
@@ -84,6 +86,11 @@ class ServerArgs:
     tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
                            "MLP columns, vocabulary rows) and run every step together (torch.distributed: gloo on "
                            "CPU); it must divide the attention heads and the MLP size")
+    dp_size: int = _arg(1, "data-parallel ranks: whole replicas of the model, each a scheduler with its own "
+                           "tensor-parallel workers and KV pool, fed by a DP controller process")
+    load_balance_method: str = _arg("round_robin", "how the DP controller picks a rank for each request (a "
+                                                   "request's routed_dp_rank overrides it)",
+                                    choices=tuple(load_balance_method_names()))
     served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
     api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
@@ -95,8 +102,9 @@ class ServerArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size={self.tp_size}: at least 1")
+        for name in ("tp_size", "dp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: at least 1")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
@@ -151,11 +159,23 @@ class Launcher:
     """Spawns the detokenizer, scheduler and worker, waits until each is ready, and watches
     them: any child's death takes the whole tree down."""
 
-    def children(self) -> list[tuple[str, str, int]]:
-        """(name, module, tensor-parallel rank) of every child process."""
-        workers = [(f"worker_tp{r}" if self.args.tp_size > 1 else "worker", "worker_proc.process", r)
-                   for r in range(self.args.tp_size)]
-        return [("detokenizer", "detokenizer_proc.process", 0), *workers, ("scheduler", "scheduler_proc.process", 0)]
+    def children(self) -> list[tuple[str, str, int, int]]:
+        """(name, module, data-parallel rank, tensor-parallel rank) of every child process: the
+        detokenizer, the DP controller (with --dp-size > 1), and per data-parallel rank its
+        workers and its scheduler. Names carry the ranks there are: worker, worker_tp1,
+        scheduler_dp1, worker_dp1_tp0, ..."""
+        dp, tp = self.args.dp_size, self.args.tp_size
+
+        def named(base: str, d: int, r: int | None = None) -> str:
+            return base + (f"_dp{d}" if dp > 1 else "") + (f"_tp{r}" if r is not None and tp > 1 else "")
+
+        out = [("detokenizer", "detokenizer_proc.process", 0, 0)]
+        if dp > 1:
+            out.append(("dp_controller", "scheduler_proc.dp_controller", 0, 0))
+        for d in range(dp):
+            out += [(named("worker", d, r), "worker_proc.process", d, r) for r in range(tp)]
+            out.append((named("scheduler", d), "scheduler_proc.process", d, 0))
+        return out
 
     def __init__(self, args: ServerArgs, model_dir: Path, extra: dict[str, Any]):
         self.args = args
@@ -171,11 +191,11 @@ class Launcher:
         inbox = Receiver(self._ctx, zmq.PULL, self.endpoints.launcher, ToLauncher)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         server_args = {**dataclasses.asdict(self.args), **self.extra}
-        if self.args.tp_size > 1:  # where the tensor-parallel ranks meet (torch.distributed's TCP store)
-            server_args["dist_init_addr"] = f"127.0.0.1:{_free_port()}"
+        if self.args.tp_size > 1:  # where each tensor-parallel group meets (torch.distributed's TCP store)
+            server_args["dist_init_addrs"] = [f"127.0.0.1:{_free_port()}" for _ in range(self.args.dp_size)]
         children = self.children()
-        for name, module, tp_rank in children:
-            cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args, tp_rank=tp_rank)
+        for name, module, dp_rank, tp_rank in children:
+            cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args, dp_rank=dp_rank, tp_rank=tp_rank)
             self.procs[name] = subprocess.Popen([sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
                                                 env=env, cwd=str(ROOT))
         try:
@@ -256,9 +276,13 @@ def _prepare(args: ServerArgs):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
     launcher.start()
-    worker = launcher.ready_info.get("worker") or launcher.ready_info.get("worker_tp0", {})
-    info = {"model_path": str(model_dir), **launcher.ready_info.get("scheduler", {}), **worker,
-            "tp_size": args.tp_size}
+    first_scheduler, first_worker = (next(info for name, info in launcher.ready_info.items() if name.startswith(kind))
+                                     for kind in ("scheduler", "worker"))
+    info = {"model_path": str(model_dir), **first_scheduler, **first_worker, "tp_size": args.tp_size,
+            "dp_size": args.dp_size}
+    if args.dp_size > 1:  # every scheduler plans its own pool: the server holds them all
+        info["max_total_tokens"] = sum(i["max_total_tokens"] for name, i in launcher.ready_info.items()
+                                       if name.startswith("scheduler"))
     return model_dir, tokenizer, launcher, info
 
 
@@ -279,7 +303,7 @@ class Engine:
 
         async def make_manager():
             m = TokenizerManager(self.launcher.endpoints, self.tokenizer, self.server_info["max_context_len"],
-                                 self.args.max_queued_requests)
+                                 self.args.max_queued_requests, self.args.dp_size)
             m.start()
             return m
 
@@ -300,7 +324,8 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                  rid: str | None = None, **extra: Any) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; a list of prompts -> a list of dicts, in order. With
-        stream=True (one prompt) an iterator of cumulative dicts. `extra`: priority, routing_key."""
+        stream=True (one prompt) an iterator of cumulative dicts. `extra`: priority, routing_key,
+        routed_dp_rank."""
         if stream:
             return self._stream(prompt, sampling_params, input_ids, rid, extra)
         return self._run(self._generate_all(prompt, sampling_params, input_ids, rid, extra))
@@ -421,7 +446,8 @@ def serve(args: ServerArgs) -> None:
     launcher.watch(on_death)
 
     async def run() -> None:
-        manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"], args.max_queued_requests)
+        manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"], args.max_queued_requests,
+                                   args.dp_size)
         manager.start()
         zmq_port = args.port + 1 if args.zmq_port is None else args.zmq_port
         frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}")

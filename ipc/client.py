@@ -33,10 +33,12 @@ class LoomClient:
         self.decoder = msgspec.msgpack.Decoder(ClientOutput)
 
     def generate(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None, *,
-                 input_ids: list[int] | None = None, stream: bool = False) -> dict | Iterator[dict]:
+                 input_ids: list[int] | None = None, stream: bool = False,
+                 routed_dp_rank: int | None = None) -> dict | Iterator[dict]:
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else msgspec.convert(
             {k: v for k, v in (sampling_params or {}).items() if v is not None}, SamplingParams)
-        req = ClientGenerate(rid=uuid.uuid4().hex, text=prompt, input_ids=input_ids, sampling=sp, stream=stream)
+        req = ClientGenerate(rid=uuid.uuid4().hex, text=prompt, input_ids=input_ids, sampling=sp, stream=stream,
+                             routed_dp_rank=routed_dp_rank)
         self.socket.send(self.encoder.encode(req))
         outputs = self._outputs(req.rid)
         if stream:

@@ -58,6 +58,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     routing_key: str | None = None
     # Requests of one group with identical input_ids share one prefill (the n choices of a prompt).
     prefill_group: str | None = None
+    routed_dp_rank: int | None = None  # the data-parallel rank that must serve it (None: the controller picks)
 
 
 class GenerateReqs(msgspec.Struct, tag=True):
@@ -77,6 +78,20 @@ class StatsReq(msgspec.Struct, tag=True):
 
 
 ToScheduler = GenerateReq | GenerateReqs | AbortReq | StatsReq
+
+
+class LoadReport(msgspec.Struct, tag=True):
+    """A data-parallel rank's load, sent to the DP controller at a bounded rate."""
+
+    dp_rank: int
+    received: int  # requests this rank has received since it started
+    running: int
+    waiting: int
+    tokens: int  # KV tokens held + prompt tokens waiting
+    finished: list[str] = []  # ids of the requests finished since the last report
+
+
+ToController = GenerateReq | GenerateReqs | AbortReq | StatsReq | LoadReport
 
 
 # ---- scheduler -> worker ----------------------------------------------------------------
@@ -208,6 +223,7 @@ class ClientGenerate(msgspec.Struct, tag=True):
     stream: bool = False
     priority: int = 0
     routing_key: str | None = None
+    routed_dp_rank: int | None = None
 
 
 class ClientAbort(msgspec.Struct, tag=True):

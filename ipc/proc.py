@@ -25,6 +25,7 @@ class ChildConfig(msgspec.Struct):
     endpoints: Endpoints
     model_dir: str
     server_args: dict  # the launcher's ServerArgs as plain fields
+    dp_rank: int = 0  # the data-parallel rank a scheduler or worker serves
     tp_rank: int = 0  # a worker's rank in its tensor-parallel group
 
 

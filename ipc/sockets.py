@@ -11,11 +11,15 @@ import zmq
 
 
 class Endpoints(msgspec.Struct):
-    scheduler_in: str  # tokenizer -> scheduler
-    worker_in: str  # scheduler -> worker (one socket per tensor-parallel rank: worker_in_of)
+    """Where each process listens. Per data-parallel rank (scheduler_in, scheduler_results) and per
+    (data-parallel, tensor-parallel) rank (worker_in), these are bases: see the *_of methods."""
+
+    scheduler_in: str  # tokenizer or DP controller -> scheduler
+    worker_in: str  # scheduler -> worker
     scheduler_results: str  # worker -> scheduler
     detokenizer_in: str  # scheduler -> detokenizer
     tokenizer_in: str  # detokenizer -> tokenizer
+    controller_in: str  # tokenizer and schedulers' load reports -> DP controller (when --dp-size > 1)
     launcher: str  # every child -> launcher (ready / failed)
 
     @classmethod
@@ -23,9 +27,19 @@ class Endpoints(msgspec.Struct):
         base = tempfile.mkdtemp(prefix="loom-")  # mkdtemp makes it 0700
         return cls(**{name: f"ipc://{base}/{name}" for name in cls.__struct_fields__})
 
-    def worker_in_of(self, tp_rank: int) -> str:
-        """The scheduler -> worker socket of one tensor-parallel rank."""
-        return f"{self.worker_in}-{tp_rank}"
+    def requests_in(self, dp_size: int) -> str:
+        """Where the tokenizer sends requests: the DP controller, or the one scheduler."""
+        return self.controller_in if dp_size > 1 else self.scheduler_in_of(0)
+
+    def scheduler_in_of(self, dp_rank: int) -> str:
+        return f"{self.scheduler_in}-{dp_rank}"
+
+    def scheduler_results_of(self, dp_rank: int) -> str:
+        return f"{self.scheduler_results}-{dp_rank}"
+
+    def worker_in_of(self, dp_rank: int, tp_rank: int) -> str:
+        """The scheduler -> worker socket of one tensor-parallel rank of one data-parallel rank."""
+        return f"{self.worker_in}-{dp_rank}-{tp_rank}"
 
     @property
     def directory(self) -> str:

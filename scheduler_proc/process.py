@@ -1,5 +1,6 @@
-"""The scheduler process: wraps SchedulerCore in an event loop between the tokenizer, the
-worker and the detokenizer. One batch is in flight at a time (overlap mode comes later)."""
+"""The scheduler process: wraps SchedulerCore in an event loop between the tokenizer (or, with
+--dp-size > 1, the DP controller), its workers and the detokenizer. One batch is in flight at a
+time (overlap mode comes later)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import msgspec
 import zmq
 
 from detokenizer_proc.decoder import load_decoder
-from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, GenerateReqs, StatsReq,
-                          StatsResp, TokenDelta, ToScheduler, WorkerError, WorkerReady)
+from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, GenerateReqs, LoadReport,
+                          StatsReq, StatsResp, TokenDelta, ToScheduler, WorkerError, WorkerReady)
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import Receiver, Sender
 from scheduler_proc.core import ReqOutput, SchedulerConfig, SchedulerCore
@@ -52,11 +53,18 @@ class SchedulerProcess:
         args = config.server_args
         ep = config.endpoints
         ctx = zmq.Context()
-        self.requests = Receiver(ctx, zmq.PULL, ep.scheduler_in, ToScheduler)
-        self.results = Receiver(ctx, zmq.PULL, ep.scheduler_results, FromWorker)
+        self.dp_rank = config.dp_rank
+        self.requests = Receiver(ctx, zmq.PULL, ep.scheduler_in_of(self.dp_rank), ToScheduler)
+        self.results = Receiver(ctx, zmq.PULL, ep.scheduler_results_of(self.dp_rank), FromWorker)
         # one socket per tensor-parallel rank: every rank runs every step
-        self.workers = [Sender(ctx, zmq.PUSH, ep.worker_in_of(rank), bind=True) for rank in range(args["tp_size"])]
+        self.workers = [Sender(ctx, zmq.PUSH, ep.worker_in_of(self.dp_rank, rank), bind=True)
+                        for rank in range(args["tp_size"])]
         self.detokenizer = Sender(ctx, zmq.PUSH, ep.detokenizer_in)
+        # data parallelism: this rank's load goes to the DP controller at a bounded rate
+        self.controller = Sender(ctx, zmq.PUSH, ep.controller_in) if args["dp_size"] > 1 else None
+        self.received = 0  # requests received since start
+        self.finished_since_report: list[str] = []
+        self.last_report = (0.0, None)  # (when, what it said)
         self.encoder = msgspec.msgpack.Encoder()
         self.poller = zmq.Poller()
         self.poller.register(self.requests.socket, zmq.POLLIN)
@@ -109,9 +117,11 @@ class SchedulerProcess:
         elif isinstance(msg, AbortReq):
             self.emit(self.core.abort(msg.rid, msg.message))
         elif isinstance(msg, StatsReq):
-            self.detokenizer.send(StatsResp(msg.query_id, self.core.stats()))
+            stats = {**self.core.stats(), "dp_rank": self.dp_rank, "requests_received": self.received}
+            self.detokenizer.send(StatsResp(msg.query_id, stats))
 
     def add_request(self, msg: GenerateReq) -> None:
+        self.received += 1
         req = Req(msg.rid, msg.input_ids, msg.sampling, arrival=self.clock(), priority=msg.priority,
                   routing_key=msg.routing_key, prefill_group=msg.prefill_group)
         ended = self.core.add_request(req)
@@ -130,6 +140,8 @@ class SchedulerProcess:
         items = []
         for o in outputs:
             r = o.req
+            if o.finished and self.controller is not None:
+                self.finished_since_report.append(r.rid)
             first = len(r.output_ids) - len(o.new_ids)
             items.append(TokenDelta(
                 rid=r.rid, new_ids=o.new_ids, prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids),
@@ -138,6 +150,25 @@ class SchedulerProcess:
                 logprobs=r.output_logprobs[first:] if r.sampling.logprobs else [], cached_tokens=r.cached_tokens))
         self.detokenizer.send(BatchTokenOut(items))
 
+    REPORT_INTERVAL = 0.02  # seconds between load reports to the DP controller, at most
+
+    def report_load(self, idle: bool = False) -> None:
+        """This rank's load to the DP controller: at most every REPORT_INTERVAL while busy, and
+        once more when it goes idle (so the controller does not keep a stale busy figure)."""
+        if self.controller is None:
+            return
+        core = self.core
+        waiting_tokens = sum(len(r.input_ids) for r in core.waiting)
+        held = core.token_pool.capacity - core.token_pool.num_free
+        load = (self.received, len(core.running), core.stats()["num_waiting"], held + waiting_tokens)
+        when, last = self.last_report
+        now = self.clock()
+        if (load == last and not self.finished_since_report) or (not idle and now - when < self.REPORT_INTERVAL):
+            return
+        self.controller.send(LoadReport(self.dp_rank, *load, self.finished_since_report))
+        self.finished_since_report = []
+        self.last_report = (now, load)
+
     # ---- loop ------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -145,6 +176,7 @@ class SchedulerProcess:
             self.drain_requests()
             batch, ended = self.core.next_batch(self.clock())
             self.emit(ended)
+            self.report_load(idle=batch is None)
             if batch is None:
                 leaks = self.core.idle_leaks()
                 if leaks:

@@ -95,7 +95,7 @@ def test_n_choices_share_one_prefill(server, client, model):
     usage = chunks[-1].usage
     assert usage.prompt_tokens_details.cached_tokens == 0
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    rate = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("loom_cache_hit_rate "))
+    rate = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith('loom_cache_hit_rate{dp_rank="0"} '))
     cached = next(float(line.split()[1]) for line in metrics.splitlines()
                   if line.startswith("loom_cached_prompt_tokens_total "))
     assert 0 < rate < 1 and cached >= 2 * (usage.prompt_tokens + r.usage.prompt_tokens)

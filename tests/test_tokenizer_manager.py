@@ -21,7 +21,7 @@ class FakeScheduler:
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(self.endpoints.scheduler_in)
+        self.socket.bind(self.endpoints.requests_in(1))
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
 
     def receive(self, timeout_ms: int = 5000):

@@ -104,7 +104,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
 
         def request(t, i, r) -> dict:
             return dict(text=t, input_ids=i, sampling=sampling, rid=r, priority=body.get("priority") or 0,
-                        routing_key=body.get("routing_key"))
+                        routing_key=body.get("routing_key"), routed_dp_rank=body.get("routed_dp_rank"))
 
         try:
             manager.ensure_capacity(len(prompts))

@@ -91,21 +91,39 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     return sp
 
 
+def combine_rank_stats(ranks: list[dict]) -> dict:
+    """One view of the data-parallel ranks' stats: counts summed, the cache hit rate recomputed
+    from the summed counts, other rates averaged; each rank's own under "dp_ranks"."""
+    if len(ranks) == 1:
+        return {**ranks[0], "dp_ranks": ranks}
+    total: dict = {}
+    for key in ranks[0]:
+        values = [r[key] for r in ranks]
+        total[key] = sum(values) / len(values) if isinstance(values[0], float) else sum(values)
+    prompt = total["num_prompt_tokens"]
+    total["cache_hit_rate"] = total["num_cached_prompt_tokens"] / prompt if prompt else 0.0
+    total["step"] = max(r["step"] for r in ranks)
+    total.pop("dp_rank")
+    return {**total, "dp_ranks": ranks}
+
+
 def _log_send_error(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("sending requests to the scheduler failed: %s", fut.exception())
 
 
 class TokenizerManager:
-    def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int, max_queued: int | None = None):
+    def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int, max_queued: int | None = None,
+                 dp_size: int = 1):
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.context_len = context_len
         self.max_queued = max_queued
+        self.dp_size = dp_size
         self.ctx = zmq.asyncio.Context()
-        self.to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.to_scheduler = self.ctx.socket(zmq.PUSH)  # the scheduler, or the DP controller before the schedulers
         self.to_scheduler.setsockopt(zmq.LINGER, 0)
-        self.to_scheduler.connect(endpoints.scheduler_in)
+        self.to_scheduler.connect(endpoints.requests_in(dp_size))
         self.from_detokenizer = self.ctx.socket(zmq.PULL)
         self.from_detokenizer.setsockopt(zmq.LINGER, 0)
         self.from_detokenizer.bind(endpoints.tokenizer_in)
@@ -158,12 +176,18 @@ class TokenizerManager:
         priority: int = 0,
         routing_key: str | None = None,
         prefill_group: str | None = None,
+        routed_dp_rank: int | None = None,
     ) -> AsyncIterator[dict]:
         """Yields result dicts: once at the end, or after every delta when streaming (text and
         output_ids cumulative). A consumer that stops early aborts the request. Requests with the
-        same `prefill_group` and prompt share one prefill (the n choices of a prompt)."""
+        same `prefill_group` and prompt share one prefill (the n choices of a prompt).
+        `routed_dp_rank` pins the data-parallel rank that serves it."""
         if self.dead:
             raise RuntimeError(self.dead)
+        if routed_dp_rank is not None and (isinstance(routed_dp_rank, bool) or not isinstance(routed_dp_rank, int)
+                                           or not 0 <= routed_dp_rank < self.dp_size):
+            raise RequestError(f"routed_dp_rank must be an integer in 0..{self.dp_size - 1} (this server has "
+                               f"--dp-size {self.dp_size}), got {routed_dp_rank!r}")
         sp = parse_sampling_params(sampling)
         bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
@@ -184,7 +208,7 @@ class TokenizerManager:
             return
         self.states[rid] = state
         try:
-            self._send_soon(GenerateReq(rid, ids, sp, priority or 0, routing_key, prefill_group))
+            self._send_soon(GenerateReq(rid, ids, sp, priority or 0, routing_key, prefill_group, routed_dp_rank))
             while True:
                 await state.event.wait()
                 state.event.clear()
@@ -230,14 +254,18 @@ class TokenizerManager:
         await self.to_scheduler.send(self.encoder.encode(AbortReq(rid, message)))
 
     async def get_stats(self, timeout: float = 10.0) -> dict:
+        """The schedulers' counters: summed over the data-parallel ranks, each rank's own under
+        "dp_ranks"."""
         query_id = uuid.uuid4().hex
+        answers: list[dict] = []
         fut = asyncio.get_running_loop().create_future()
-        self.stats_waiters[query_id] = fut
+        self.stats_waiters[query_id] = (fut, answers)
         try:
             await self.to_scheduler.send(self.encoder.encode(StatsReq(query_id)))
-            stats = await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(fut, timeout)
         finally:
             self.stats_waiters.pop(query_id, None)
+        stats = combine_rank_stats(sorted(answers, key=lambda a: a["dp_rank"]))
         stats["num_tokenizer_requests"] = len(self.states)
         return stats
 
@@ -273,9 +301,10 @@ class TokenizerManager:
                 log.error("dropped a malformed frame from the detokenizer: %s", e)
                 continue
             if isinstance(msg, StatsResp):
-                fut = self.stats_waiters.get(msg.query_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(dict(msg.stats))
+                fut, answers = self.stats_waiters.get(msg.query_id, (None, []))
+                answers.append(dict(msg.stats))
+                if fut is not None and not fut.done() and len(answers) == self.dp_size:
+                    fut.set_result(None)
                 continue
             assert isinstance(msg, BatchTextOut)
             now = time.perf_counter()

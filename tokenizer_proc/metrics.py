@@ -25,13 +25,14 @@ class Metrics:
                                             "(shared from another request's prefill)", registry=r)
         self.generation_tokens = Counter("loom_generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter("loom_requests_finished", "Finished requests by reason", ["reason"], registry=r)
-        self.running = Gauge("loom_num_running_reqs", "Requests running in the scheduler", registry=r)
-        self.waiting = Gauge("loom_num_waiting_reqs", "Requests waiting in the scheduler", registry=r)
-        self.kv_usage = Gauge("loom_kv_cache_usage", "Fraction of KV slots in use", registry=r)
-        self.retractions = Gauge("loom_num_retractions", "Retractions since start", registry=r)
+        # per data-parallel rank (label dp_rank)
+        self.running = Gauge("loom_num_running_reqs", "Requests running in the scheduler", ["dp_rank"], registry=r)
+        self.waiting = Gauge("loom_num_waiting_reqs", "Requests waiting in the scheduler", ["dp_rank"], registry=r)
+        self.kv_usage = Gauge("loom_kv_cache_usage", "Fraction of KV slots in use", ["dp_rank"], registry=r)
+        self.retractions = Gauge("loom_num_retractions", "Retractions since start", ["dp_rank"], registry=r)
         self.cache_hit_rate = Gauge("loom_cache_hit_rate",
                                     "Fraction of the scheduler's prompt tokens not computed (shared from another "
-                                    "request's prefill), since start", registry=r)
+                                    "request's prefill), since start", ["dp_rank"], registry=r)
 
     def on_tokens(self, now: float, created: float, first_at: float | None, last_at: float | None, n: int) -> None:
         if n <= 0:
@@ -51,10 +52,13 @@ class Metrics:
         self.finished.labels(reason=reason).inc()
 
     def render(self, stats: dict) -> bytes:
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        total = stats["kv_slots_total"] or 1
-        self.kv_usage.set((stats["kv_slots_total"] - stats["kv_slots_free"]) / total)
-        self.retractions.set(stats["num_retractions"])
-        self.cache_hit_rate.set(stats["cache_hit_rate"])
+        """The text exposition, with the scheduler gauges of each rank in `stats["dp_ranks"]`."""
+        for rank in stats["dp_ranks"]:
+            label = str(rank["dp_rank"])
+            self.running.labels(dp_rank=label).set(rank["num_running"])
+            self.waiting.labels(dp_rank=label).set(rank["num_waiting"])
+            total = rank["kv_slots_total"] or 1
+            self.kv_usage.labels(dp_rank=label).set((rank["kv_slots_total"] - rank["kv_slots_free"]) / total)
+            self.retractions.labels(dp_rank=label).set(rank["num_retractions"])
+            self.cache_hit_rate.labels(dp_rank=label).set(rank["cache_hit_rate"])
         return generate_latest(self.registry)

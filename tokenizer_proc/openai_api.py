@@ -117,6 +117,7 @@ class OpenAIServing:
     async def completions(self, body: dict):
         model = self.check_model(body)
         n, stream, include_usage = self.check_common(body)
+        routed = _field(body, "routed_dp_rank", int)  # (an SGLang extra: the data-parallel rank to use)
         sampling = _sampling(body, ("max_tokens",))
         sampling.setdefault("max_new_tokens", 16)  # the OpenAI default for completions
         echo = _field(body, "echo", bool, False)
@@ -141,12 +142,12 @@ class OpenAIServing:
                 for i, ids in enumerate(encoded) for k in range(n)]
         self.manager.ensure_capacity(len(jobs))
         if stream:
-            return self._stream(rid, "text_completion", model, jobs, sum(map(len, encoded)), include_usage,
+            return self._stream(rid, "text_completion", model, jobs, sum(map(len, encoded)), include_usage, routed,
                                 lambda idx, delta, finish, lps: {"index": idx, "text": delta,
                                                                  "logprobs": self._completion_logprobs(lps),
                                                                  "finish_reason": finish},
                                 prefix={idx: texts[idx // n] for idx, *_ in jobs} if echo else None)
-        outs = await self._run_all(jobs)
+        outs = await self._run_all(jobs, routed)
         choices = [{"index": idx, "text": (texts[idx // n] if echo else "") + out["text"],
                     "logprobs": self._completion_logprobs(_token_logprobs(out) if top is not None else None),
                     "finish_reason": _finish(out)} for idx, out in outs]
@@ -172,6 +173,7 @@ class OpenAIServing:
     async def chat(self, body: dict):
         model = self.check_model(body)
         n, stream, include_usage = self.check_common(body)
+        routed = _field(body, "routed_dp_rank", int)  # (an SGLang extra: the data-parallel rank to use)
         sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
         want = _field(body, "logprobs", bool, False)
         top = _field(body, "top_logprobs", int, 0)
@@ -198,12 +200,12 @@ class OpenAIServing:
         jobs = [(k, ids, self._choice_sampling(sampling, k), self._prefill_group(rid, 0, n)) for k in range(n)]
         self.manager.ensure_capacity(len(jobs))
         if stream:
-            return self._stream(rid, "chat.completion.chunk", model, jobs, len(ids), include_usage,
+            return self._stream(rid, "chat.completion.chunk", model, jobs, len(ids), include_usage, routed,
                                 lambda idx, delta, finish, lps: {"index": idx, "delta": delta,
                                                                  "logprobs": self._chat_logprobs(lps),
                                                                  "finish_reason": finish},
                                 chat=True)
-        outs = await self._run_all(jobs)
+        outs = await self._run_all(jobs, routed)
         choices = [{"index": idx, "message": {"role": "assistant", "content": out["text"]},
                     "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None),
                     "finish_reason": _finish(out)} for idx, out in outs]
@@ -251,9 +253,10 @@ class OpenAIServing:
         # the n choices of one prompt share its prefill
         return f"{rid}-{prompt_index}" if n > 1 else None
 
-    async def _run_all(self, jobs) -> list[tuple[int, dict]]:
+    async def _run_all(self, jobs, routed_dp_rank: int | None) -> list[tuple[int, dict]]:
         async def one(idx, ids, sampling, group):
-            return idx, await self.manager.generate_final(input_ids=ids, sampling=sampling, prefill_group=group)
+            return idx, await self.manager.generate_final(input_ids=ids, sampling=sampling, prefill_group=group,
+                                                          routed_dp_rank=routed_dp_rank)
 
         return list(await asyncio.gather(*(one(*job) for job in jobs)))
 
@@ -275,11 +278,13 @@ class OpenAIServing:
         group_of = {idx: group if group is not None else idx for idx, _, _, group in jobs}
         return [(group_of[idx], o) for idx, o in outs]
 
-    def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, make_choice, prefix=None, chat=False):
+    def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, routed_dp_rank, make_choice, prefix=None,
+                chat=False):
         """SSE chunks of every choice as they come, then a usage chunk if asked, then [DONE].
         Validation already happened, so errors here are the engine's, reported in-stream."""
         queue: asyncio.Queue = asyncio.Queue()
-        gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True, prefill_group=group)
+        gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True, prefill_group=group,
+                                      routed_dp_rank=routed_dp_rank)
                 for _, ids, s, group in jobs]
 
         wants_logprobs = [bool(s.get("logprobs")) for _, _, s, _ in jobs]

@@ -51,7 +51,7 @@ class ZmqFrontend:
     async def _serve(self, identity: bytes, req: ClientGenerate) -> None:
         gen = self.manager.generate(text=req.text, input_ids=req.input_ids, sampling=req.sampling,
                                     rid=req.rid or None, stream=req.stream, priority=req.priority,
-                                    routing_key=req.routing_key)
+                                    routing_key=req.routing_key, routed_dp_rank=req.routed_dp_rank)
         try:
             async for out in gen:
                 finished = out["meta_info"]["finish_reason"] is not None

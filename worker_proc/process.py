@@ -20,8 +20,8 @@ def main(config: ChildConfig, report_ready) -> None:
     args = config.server_args
     rank, tp_size = config.tp_rank, args["tp_size"]
     ctx = zmq.Context()
-    batches = Receiver(ctx, zmq.PULL, config.endpoints.worker_in_of(rank), ToWorker, bind=False)
-    results = Sender(ctx, zmq.PUSH, config.endpoints.scheduler_results)
+    batches = Receiver(ctx, zmq.PULL, config.endpoints.worker_in_of(config.dp_rank, rank), ToWorker, bind=False)
+    results = Sender(ctx, zmq.PUSH, config.endpoints.scheduler_results_of(config.dp_rank))
 
     import torch  # after the sockets: a failure to import still reaches the scheduler
 
@@ -29,15 +29,16 @@ def main(config: ChildConfig, report_ready) -> None:
     from worker_proc.model_runner import ModelRunner, RunnerConfig
     from worker_proc.tensor_parallel import TPGroup
 
-    torch.set_num_threads(args.get("num_threads") or max(1, (os.cpu_count() or 1) // tp_size))
+    torch.set_num_threads(args.get("num_threads") or max(1, (os.cpu_count() or 1) // (tp_size * args["dp_size"])))
     try:
-        tp = TPGroup.connect(rank, tp_size, args["dist_init_addr"], args["device"]) if tp_size > 1 else TPGroup()
+        tp = (TPGroup.connect(rank, tp_size, args["dist_init_addrs"][config.dp_rank], args["device"])
+              if tp_size > 1 else TPGroup())
         dtypes = list(DTYPES.values())
         dtype, why = resolve_dtype(args["dtype"], args["device"]) if rank == 0 else (None, "")
         dtype = dtypes[tp.broadcast_index(dtypes.index(dtype) if rank == 0 else 0)]  # rank 0's choice
         why = why or f"dtype {str(dtype).removeprefix('torch.')} (as tp rank 0)"
         runner = ModelRunner(RunnerConfig(
-            model_dir=config.model_dir, dtype=dtype, kv_cache_gb=args["kv_cache_gb"],
+            model_dir=config.model_dir, dtype=dtype, kv_cache_gb=args["kv_cache_gb"] / args["dp_size"],
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
             device=args["device"], kernel_backend=args["kernel_backend"],
             kernel_isa=args["kernel_isa"], quantization=args["quantization"],
