@@ -145,6 +145,7 @@ class BatchResult(msgspec.Struct, tag=True):
     next_token_ids: list[int]  # one per sample row
     forward_s: float
     logprobs: list[TokenLogprobs | None] = []  # one per sample row when any row asked
+    collective_s: float = 0.0  # of forward_s, rank 0's time in tensor-parallel collectives
 
 
 class WorkerError(msgspec.Struct, tag=True):

@@ -63,6 +63,8 @@ class SchedulerProcess:
         # data parallelism: this rank's load goes to the DP controller at a bounded rate
         self.controller = Sender(ctx, zmq.PUSH, ep.controller_in) if args["dp_size"] > 1 else None
         self.received = 0  # requests received since start
+        # the step trace, summed: forward passes and, of those, tensor-parallel collectives
+        self.forward_s = self.collective_s = 0.0
         self.finished_since_report: list[str] = []
         self.last_report = (0.0, None)  # (when, what it said)
         self.encoder = msgspec.msgpack.Encoder()
@@ -117,7 +119,8 @@ class SchedulerProcess:
         elif isinstance(msg, AbortReq):
             self.emit(self.core.abort(msg.rid, msg.message))
         elif isinstance(msg, StatsReq):
-            stats = {**self.core.stats(), "dp_rank": self.dp_rank, "requests_received": self.received}
+            stats = {**self.core.stats(), "dp_rank": self.dp_rank, "requests_received": self.received,
+                     "forward_seconds": self.forward_s, "collective_seconds": self.collective_s}
             self.detokenizer.send(StatsResp(msg.query_id, stats))
 
     def add_request(self, msg: GenerateReq) -> None:
@@ -188,6 +191,8 @@ class SchedulerProcess:
             for worker in self.workers:
                 worker.send_encoded(wire)
             result = self.wait_result()
+            self.forward_s += result.forward_s
+            self.collective_s += result.collective_s
             self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
 
     def wait_result(self) -> BatchResult:

@@ -120,3 +120,20 @@ def test_one_batch_rooflines_come_from_probes_paired_with_each_batch(default_mod
         assert row["bandwidth_roof_tok_s"] == pytest.approx(row["batch_size"] * sum(gemv) / 2 * 1e9 / weights)
         assert row["gemm_roof_tok_s"] == pytest.approx(sum(gemm) / 2 * 1e9 / result["model"]["flops_per_token"])
         assert row["decode_steps"] == 2 and row["decode_tok_s"] > 0
+
+
+def test_parallel_benchmark_reports_each_configuration_and_its_collectives(default_model_dir, tmp_path, capsys):
+    from benchmarks.bench_parallel import main, parse_configs
+
+    assert parse_configs("dp1-tp1, dp2-tp3") == [(1, 1), (2, 3)]
+    with pytest.raises(SystemExit):
+        parse_configs("tp2")
+    out = main(["--configs", "dp1-tp1,dp2-tp1,dp1-tp3", "--num-requests", "4", "--input-range", "8,16",
+                "--output-range", "4,8", "--kv-cache-gb", "0.3", "--json", str(tmp_path / "p.json")])
+    single, dp2, tp3 = out["results"]
+    assert [len(r["ranks"]) for r in out["results"]] == [1, 2, 1]
+    assert all(r["output_tokens"] == single["output_tokens"] > 0 for r in out["results"])
+    assert sum(rank["requests"] for rank in dp2["ranks"]) == 4
+    assert single["ranks"][0]["collective_ms_per_step"] == 0  # no collectives without tensor parallelism
+    assert 0 < tp3["ranks"][0]["collective_ms_per_step"] < tp3["ranks"][0]["forward_ms_per_step"]
+    assert "collective ms/step" in capsys.readouterr().out and (tmp_path / "p.json").exists()

@@ -61,14 +61,14 @@ def main(config: ChildConfig, report_ready) -> None:
             tp.close()
             return
         assert isinstance(msg, ModelWorkerBatch)
-        t = time.perf_counter()
+        t, collective = time.perf_counter(), tp.collective_s
         try:
             ids, logprobs = runner.forward_with_logprobs(msg)
         except Exception as e:
             results.send(WorkerError(f"tp rank {rank}: forward failed at step {msg.step}: {type(e).__name__}: {e}"))
             raise
         if rank == 0:
-            results.send(BatchResult(msg.step, ids, time.perf_counter() - t, logprobs))
+            results.send(BatchResult(msg.step, ids, time.perf_counter() - t, logprobs, tp.collective_s - collective))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Collectives are torch.distributed's (gloo on CPU, NCCL on GPU).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +76,12 @@ class TPShard:
 
 
 class TPGroup:
-    """The collectives of one tensor-parallel group (no-ops at size 1)."""
+    """The collectives of one tensor-parallel group (no-ops at size 1). `collective_s` adds up the
+    seconds spent in them (waiting for the other ranks included): the step trace reports it."""
 
     def __init__(self, rank: int = 0, size: int = 1):
         self.rank, self.size = rank, size
+        self.collective_s = 0.0
 
     @classmethod
     def connect(cls, rank: int, size: int, init_addr: str, device: str = "cpu") -> "TPGroup":
@@ -93,7 +96,9 @@ class TPGroup:
         if self.size > 1:
             import torch.distributed as dist
 
+            start = time.perf_counter()
             dist.all_reduce(x)
+            self.collective_s += time.perf_counter() - start
         return x
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +117,9 @@ class TPGroup:
 
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        start = time.perf_counter()
         dist.gather(logits, parts, dst=0)
+        self.collective_s += time.perf_counter() - start
         return torch.cat(parts, dim=1)[:, :vocab_size] if parts is not None else None
 
     def broadcast_index(self, index: int) -> int:
