@@ -25,9 +25,9 @@ import zmq
 from ipc.messages import ProcFailed, ProcReady, ToLauncher
 from ipc.proc import ChildConfig
 from ipc.sockets import Endpoints, Receiver
-from scheduler_proc.load_balancer import load_balance_method_names
-from scheduler_proc.policies import queue_policy_names
-from scheduler_proc.prefill_adder import admission_policy_names
+from scheduler_proc.load_balancer import LOAD_BALANCE_METHODS
+from scheduler_proc.policies import QUEUE_POLICIES
+from scheduler_proc.prefill_adder import ADMISSION_POLICIES
 from worker_proc.cpu_kernels import ISA_LEVELS
 from worker_proc.dtype_probe import DTYPES
 from worker_proc.linear import QUANTIZATIONS
@@ -64,7 +64,7 @@ class ServerArgs:
                                      "pending decode step runs before the next prompt step (unmixed)")
     prefill_admission_policy: str = _arg("fifo", "which waiting prompts a step admits: fifo, or pack (fill the "
                                                  "step budget with the cheapest prompts in the look-ahead window)",
-                                         choices=tuple(admission_policy_names()))
+                                         choices=tuple(ADMISSION_POLICIES.names()))
     admission_lookahead: int = _arg(16, "waiting requests the pack policy considers")
     force_fifo_every: int = _arg(0, "with pack: the queue head goes first after this many admissions passed it "
                                     "over (0: never forced)")
@@ -80,7 +80,7 @@ class ServerArgs:
     quantization: str = _arg("none", "weight-only quantization of the linear layers: int8 (per output row) or "
                                      "int4 (groups of 32, as GGUF Q4_1)", choices=QUANTIZATIONS)
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
-    schedule_policy: str = _arg("fcfs", "waiting-queue order", choices=tuple(queue_policy_names()))
+    schedule_policy: str = _arg("fcfs", "waiting-queue order", choices=tuple(QUEUE_POLICIES.names()))
     num_threads: int | None = _arg(None, "torch threads in each worker (default: the cores divided among the "
                                          "tensor-parallel ranks)")
     tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
@@ -90,7 +90,7 @@ class ServerArgs:
                            "tensor-parallel workers and KV pool, fed by a DP controller process")
     load_balance_method: str = _arg("round_robin", "how the DP controller picks a rank for each request (a "
                                                    "request's routed_dp_rank overrides it)",
-                                    choices=tuple(load_balance_method_names()))
+                                    choices=tuple(LOAD_BALANCE_METHODS.names()))
     served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
     api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")

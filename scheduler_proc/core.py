@@ -22,8 +22,8 @@ import numpy as np
 
 from ipc.messages import FinishReason
 from scheduler_proc.kv_allocator import ReqSlotAllocator, TokenSlotAllocator
-from scheduler_proc.policies import QueuePolicy, apply_priority, make_queue_policy
-from scheduler_proc.prefill_adder import PrefillAdder, make_admission_policy
+from scheduler_proc.policies import QUEUE_POLICIES, QueuePolicy, apply_priority
+from scheduler_proc.prefill_adder import ADMISSION_POLICIES, PrefillAdder
 from scheduler_proc.req import Req, ReqState
 from scheduler_proc.schedule_batch import BatchRow, ScheduleBatch
 
@@ -72,8 +72,8 @@ class SchedulerCore:
         self.config = config
         self.token_pool = TokenSlotAllocator(config.max_total_tokens)
         self.req_pool = ReqSlotAllocator(config.max_running_requests)
-        self.queue_policy: QueuePolicy = make_queue_policy(config.schedule_policy, config.seed)
-        self.admission = make_admission_policy(config.prefill_admission_policy, config.admission_lookahead,
+        self.queue_policy: QueuePolicy = QUEUE_POLICIES.make(config.schedule_policy, config.seed)
+        self.admission = ADMISSION_POLICIES.make(config.prefill_admission_policy, config.admission_lookahead,
                                                config.force_fifo_every)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

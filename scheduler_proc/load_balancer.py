@@ -16,21 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ipc.messages import GenerateReq, LoadReport
+from scheduler_proc.registry import Registry
 
-_METHODS: dict[str, type["LoadBalanceMethod"]] = {}
-
-
-def register_load_balance_method(name: str) -> Callable[[type], type]:
-    def wrap(cls):
-        _METHODS[name] = cls
-        cls.name = name
-        return cls
-
-    return wrap
-
-
-def load_balance_method_names() -> list[str]:
-    return sorted(_METHODS)
+LOAD_BALANCE_METHODS = Registry("load balance method")  # --load-balance-method
 
 
 @dataclass(slots=True)
@@ -69,7 +57,7 @@ def _least(loads: list[RankLoad], key: Callable[[RankLoad], int]) -> int:
     return min(range(len(loads)), key=lambda rank: (key(loads[rank]), rank))
 
 
-@register_load_balance_method("round_robin")
+@LOAD_BALANCE_METHODS.register("round_robin")
 class RoundRobin(LoadBalanceMethod):
     def __init__(self, seed: int = 0):
         super().__init__(seed)
@@ -80,7 +68,7 @@ class RoundRobin(LoadBalanceMethod):
         return rank
 
 
-@register_load_balance_method("total_requests")
+@LOAD_BALANCE_METHODS.register("total_requests")
 class TotalRequests(LoadBalanceMethod):
     """The rank with the fewest requests running and waiting."""
 
@@ -88,7 +76,7 @@ class TotalRequests(LoadBalanceMethod):
         return _least(loads, RankLoad.requests)
 
 
-@register_load_balance_method("total_tokens")
+@LOAD_BALANCE_METHODS.register("total_tokens")
 class TotalTokens(LoadBalanceMethod):
     """The rank holding the fewest tokens (KV in use and prompts waiting)."""
 
@@ -96,7 +84,7 @@ class TotalTokens(LoadBalanceMethod):
         return _least(loads, RankLoad.tokens)
 
 
-@register_load_balance_method("lor")
+@LOAD_BALANCE_METHODS.register("lor")
 class LeastOutstandingRequests(LoadBalanceMethod):
     """Vidur's LOR: the rank with the fewest requests sent to it and not yet finished."""
 
@@ -104,7 +92,7 @@ class LeastOutstandingRequests(LoadBalanceMethod):
         return _least(loads, RankLoad.outstanding)
 
 
-@register_load_balance_method("random")
+@LOAD_BALANCE_METHODS.register("random")
 class Random(LoadBalanceMethod):
     def __init__(self, seed: int = 0):
         super().__init__(seed)
@@ -118,9 +106,7 @@ class LoadBalancer:
     """The controller's view of its ranks and its method; `routed_dp_rank` on a request wins."""
 
     def __init__(self, method: str, dp_size: int, seed: int = 0):
-        if method not in _METHODS:
-            raise ValueError(f"unknown load balance method {method!r}; choose from {load_balance_method_names()}")
-        self.method = _METHODS[method](seed)
+        self.method = LOAD_BALANCE_METHODS.make(method, seed)
         self.loads = [RankLoad() for _ in range(dp_size)]
 
     def pick(self, req: GenerateReq) -> int:

@@ -5,32 +5,14 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+from scheduler_proc.registry import Registry
 
 if TYPE_CHECKING:
     from scheduler_proc.req import Req
 
-_QUEUE_POLICIES: dict[str, type["QueuePolicy"]] = {}
-
-
-def register_queue_policy(name: str) -> Callable[[type], type]:
-    def wrap(cls: type) -> type:
-        _QUEUE_POLICIES[name] = cls
-        cls.name = name
-        return cls
-
-    return wrap
-
-
-def make_queue_policy(name: str, seed: int = 0) -> "QueuePolicy":
-    try:
-        return _QUEUE_POLICIES[name](seed)
-    except KeyError:
-        raise ValueError(f"unknown schedule policy {name!r}; choose from {queue_policy_names()}") from None
-
-
-def queue_policy_names() -> list[str]:
-    return sorted(_QUEUE_POLICIES)
+QUEUE_POLICIES = Registry("schedule policy")  # --schedule-policy
 
 
 class QueuePolicy:
@@ -49,7 +31,7 @@ def _resort(waiting: deque["Req"], key) -> None:
     waiting.extend(items)
 
 
-@register_queue_policy("fcfs")
+@QUEUE_POLICIES.register("fcfs")
 class FirstComeFirstServed(QueuePolicy):
     """Arrival order. A retracted request keeps its arrival time, so it goes back to the front."""
 
@@ -57,7 +39,7 @@ class FirstComeFirstServed(QueuePolicy):
         _resort(waiting, lambda r: r.arrival)
 
 
-@register_queue_policy("lof")
+@QUEUE_POLICIES.register("lof")
 class LongestOutputFirst(QueuePolicy):
     """Largest max_new_tokens first; arrival order among equals."""
 
@@ -65,7 +47,7 @@ class LongestOutputFirst(QueuePolicy):
         _resort(waiting, lambda r: (-r.sampling.max_new_tokens, r.arrival))
 
 
-@register_queue_policy("random")
+@QUEUE_POLICIES.register("random")
 class RandomOrder(QueuePolicy):
     """A seeded shuffle of the queue every step."""
 
@@ -80,7 +62,7 @@ class RandomOrder(QueuePolicy):
         waiting.extend(items)
 
 
-@register_queue_policy("routing-key")
+@QUEUE_POLICIES.register("routing-key")
 class RoutingKeyGroups(QueuePolicy):
     """Requests sharing a client-given `routing_key` stay together: keys already running come
     first (their requests share context and cache), then groups by their earliest arrival;

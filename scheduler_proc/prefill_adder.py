@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
+from scheduler_proc.registry import Registry
+
 if TYPE_CHECKING:
     from scheduler_proc.req import Req
 
@@ -92,36 +94,16 @@ class AdmissionPolicy:
             admit(req, n)
 
 
-_ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {}
+ADMISSION_POLICIES = Registry("admission policy")  # --prefill-admission-policy
 
 
-def register_admission_policy(name: str):
-    def wrap(cls):
-        _ADMISSION_POLICIES[name] = cls
-        cls.name = name
-        return cls
-
-    return wrap
-
-
-def admission_policy_names() -> list[str]:
-    return sorted(_ADMISSION_POLICIES)
-
-
-def make_admission_policy(name: str, lookahead: int = 16, force_fifo_every: int = 0) -> AdmissionPolicy:
-    try:
-        return _ADMISSION_POLICIES[name](lookahead, force_fifo_every)
-    except KeyError:
-        raise ValueError(f"unknown admission policy {name!r}; choose from {admission_policy_names()}") from None
-
-
-@register_admission_policy("fifo")
+@ADMISSION_POLICIES.register("fifo")
 class FifoAdmission(AdmissionPolicy):
     def admit(self, waiting, adder, reserve, admit, can_admit):
         self.admit_in_order(waiting, adder, reserve, admit, can_admit)
 
 
-@register_admission_policy("pack")
+@ADMISSION_POLICIES.register("pack")
 class PackAdmission(AdmissionPolicy):
     """Look ahead `lookahead` waiting requests and fill the step's budget greedily with the
     cheapest whole prompts that fit, admitting the chosen ones in queue order, so a long head no

@@ -3,11 +3,9 @@ schedulers (each with its own workers and KV pool), through the Engine and a liv
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from inproc import build_tiny_checkpoint, with_tokenizer
@@ -108,16 +106,6 @@ def test_two_replicas_of_two_ranks_give_one_rank_s_outputs(tmp_path, default_mod
 
 
 def test_killing_the_controller_brings_the_server_down_naming_it():
-    from test_server import Server
+    from test_server import kill_and_expect_shutdown
 
-    s = Server("--dp-size", "2")
-    children = s.children()
-    controller = next(c for c in children if "scheduler_proc.dp_controller" in " ".join(c.cmdline()))
-    start = time.monotonic()
-    controller.send_signal(signal.SIGKILL)
-    code = s.proc.wait(10)
-    assert code != 0 and time.monotonic() - start < 5
-    output = s.read_output()
-    assert "dp_controller process" in output and "SIGKILL" in output, output[-2000:]
-    time.sleep(0.2)
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    kill_and_expect_shutdown(("--dp-size", "2"), "scheduler_proc.dp_controller", "dp_controller")

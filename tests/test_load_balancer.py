@@ -9,7 +9,7 @@ import pytest
 
 from ipc.messages import AbortReq, GenerateReq, GenerateReqs, LoadReport, SamplingParams, StatsReq
 from scheduler_proc.dp_controller import DPController
-from scheduler_proc.load_balancer import LoadBalancer, load_balance_method_names
+from scheduler_proc.load_balancer import LOAD_BALANCE_METHODS, LoadBalancer
 
 
 def req(rid: str, prompt_len: int = 8, group: str | None = None, rank: int | None = None) -> GenerateReq:
@@ -27,7 +27,7 @@ def picks(balancer: LoadBalancer, n: int, prompt_len: int = 8, start: int = 0) -
 
 
 def test_every_method_is_registered_and_an_unknown_one_refused():
-    assert load_balance_method_names() == ["lor", "random", "round_robin", "total_requests", "total_tokens"]
+    assert LOAD_BALANCE_METHODS.names() == ["lor", "random", "round_robin", "total_requests", "total_tokens"]
     with pytest.raises(ValueError, match="unknown load balance method 'fastest'"):
         LoadBalancer("fastest", 2)
 

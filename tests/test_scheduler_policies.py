@@ -9,7 +9,7 @@ from collections import deque
 import pytest
 
 from ipc.messages import SamplingParams
-from scheduler_proc.policies import make_queue_policy
+from scheduler_proc.policies import QUEUE_POLICIES
 from scheduler_proc.req import Req
 from test_core import FakeWorker, make_core, reference, req, run
 
@@ -143,14 +143,14 @@ def _queue(*specs):
 ])
 def test_queue_policies_order_as_documented(policy, expected):
     waiting = _queue(("d", 50, 3.0, None, 0), ("b", 10, 1.0, "y", 0), ("c", 90, 2.0, "x", 0), ("a", 50, 0.0, "x", 0))
-    make_queue_policy(policy).order(waiting, [])
+    QUEUE_POLICIES.make(policy, 0).order(waiting, [])
     assert [r.rid for r in waiting] == expected
 
 
 def test_routing_key_prefers_keys_already_running():
     waiting = _queue(("a", 5, 0.0, "x", 0), ("b", 5, 1.0, "y", 0), ("c", 5, 2.0, "x", 0))
     running = [Req("r", [1], SamplingParams(), routing_key="y")]
-    make_queue_policy("routing-key").order(waiting, running)
+    QUEUE_POLICIES.make("routing-key", 0).order(waiting, running)
     assert [r.rid for r in waiting] == ["b", "a", "c"]
 
 
@@ -158,7 +158,7 @@ def test_random_policy_is_a_seeded_permutation():
     orders = []
     for _ in range(2):
         waiting = _queue(*[(str(i), 5, float(i), None, 0) for i in range(10)])
-        make_queue_policy("random", seed=3).order(waiting, [])
+        QUEUE_POLICIES.make("random", 3).order(waiting, [])
         orders.append([r.rid for r in waiting])
     assert orders[0] == orders[1] and sorted(orders[0]) == sorted(str(i) for i in range(10))
     assert orders[0] != [str(i) for i in range(10)]

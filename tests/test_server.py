@@ -141,17 +141,24 @@ def test_sigterm_exits_within_5s_and_leaves_no_child():
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_killing_the_worker_brings_the_server_down_cleanly():
-    s = Server()
+def kill_and_expect_shutdown(server_args: tuple[str, ...], cmdline_mark: str, name: str) -> None:
+    """Starts a server, kills the child whose command line holds `cmdline_mark`: the server exits
+    within 5 s, names the `name` process, and leaves no child behind."""
+    s = Server(*server_args)
     children = s.children()
-    worker = next(c for c in children if "worker_proc.process" in " ".join(c.cmdline()))
-    worker.send_signal(signal.SIGKILL)
+    victim = next(c for c in children if cmdline_mark in " ".join(c.cmdline()))
+    start = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
     code = s.proc.wait(10)
-    assert code != 0
+    assert code != 0 and time.monotonic() - start < 5
     output = s.read_output()
-    assert "worker process" in output and "SIGKILL" in output, output[-2000:]
+    assert f"{name} process" in output and "SIGKILL" in output, output[-2000:]
     time.sleep(0.2)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killing_the_worker_brings_the_server_down_cleanly():
+    kill_and_expect_shutdown((), "worker_proc.process", "worker")
 
 
 def test_disconnecting_stream_clients_are_aborted_and_nothing_is_left(server):

@@ -3,10 +3,6 @@ full server at several sizes against the same model at size 1."""
 
 from __future__ import annotations
 
-import signal
-import time
-
-import psutil
 import pytest
 import torch
 
@@ -135,17 +131,6 @@ def test_a_tp_size_the_model_cannot_take_is_refused_at_start(default_model_dir):
 
 
 def test_killing_one_rank_brings_the_server_down_naming_it():
-    from test_server import Server
+    from test_server import kill_and_expect_shutdown
 
-    s = Server("--tp-size", "3")
-    children = s.children()
-    rank1 = next(c for c in children if '"tp_rank":1' in " ".join(c.cmdline()))
-    start = time.monotonic()
-    rank1.send_signal(signal.SIGKILL)
-    code = s.proc.wait(10)
-    elapsed = time.monotonic() - start
-    assert code != 0 and elapsed < 5, elapsed
-    output = s.read_output()
-    assert "worker_tp1 process" in output and "SIGKILL" in output, output[-2000:]
-    time.sleep(0.2)
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    kill_and_expect_shutdown(("--tp-size", "3"), '"tp_rank":1', "worker_tp1")
