@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -88,6 +89,13 @@ class ServerArgs:
                            "CPU); it must divide the attention heads and the MLP size")
     dp_size: int = _arg(1, "data-parallel ranks: whole replicas of the model, each a scheduler with its own "
                            "tensor-parallel workers and KV pool, fed by a DP controller process")
+    nnodes: int = _arg(1, "hosts that serve together: node 0 runs the HTTP server, tokenizer, DP controller, "
+                          "schedulers and detokenizer, and every node its share of each tensor-parallel group's "
+                          "workers (--tp-size must be a multiple of --nnodes)")
+    node_rank: int = _arg(0, "this host's rank among --nnodes (0: the one that serves)")
+    dist_init_addr: str | None = _arg(None, "HOST:PORT of node 0, needed with --nnodes > 1: the workers meet there "
+                                            "(torch.distributed) and reach their schedulers on HOST, at PORT and "
+                                            "the ports after it (2 x dp + dp x tp of them); bound to HOST only")
     load_balance_method: str = _arg("round_robin", "how the DP controller picks a rank for each request (a "
                                                    "request's routed_dp_rank overrides it)",
                                     choices=tuple(LOAD_BALANCE_METHODS.names()))
@@ -102,9 +110,17 @@ class ServerArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
-        for name in ("tp_size", "dp_size"):
+        for name in ("tp_size", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank}: choose one of 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.nnodes > 1:
+            if self.tp_size % self.nnodes:
+                raise ValueError(f"tp_size={self.tp_size}: with --nnodes {self.nnodes} it must be a multiple of it "
+                                 "(each host runs its share of every tensor-parallel group)")
+            if not re.fullmatch(r"[\w.-]+:\d+", self.dist_init_addr or ""):
+                raise ValueError(f"dist_init_addr={self.dist_init_addr!r}: with --nnodes > 1 give node 0's HOST:PORT")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
@@ -160,27 +176,34 @@ class Launcher:
     them: any child's death takes the whole tree down."""
 
     def children(self) -> list[tuple[str, str, int, int]]:
-        """(name, module, data-parallel rank, tensor-parallel rank) of every child process: the
-        detokenizer, the DP controller (with --dp-size > 1), and per data-parallel rank its
-        workers and its scheduler. Names carry the ranks there are: worker, worker_tp1,
-        scheduler_dp1, worker_dp1_tp0, ..."""
-        dp, tp = self.args.dp_size, self.args.tp_size
+        """(name, module, data-parallel rank, tensor-parallel rank) of every child process this
+        host runs: on node 0 the detokenizer, the DP controller (with --dp-size > 1), the
+        schedulers, and every node its share of each data-parallel rank's workers (tensor-parallel
+        ranks split evenly over the nodes, in order). Names carry the ranks there are: worker,
+        worker_tp1, scheduler_dp1, worker_dp1_tp0, ..."""
+        dp, tp, node = self.args.dp_size, self.args.tp_size, self.args.node_rank
+        per_node = tp // self.args.nnodes
 
         def named(base: str, d: int, r: int | None = None) -> str:
             return base + (f"_dp{d}" if dp > 1 else "") + (f"_tp{r}" if r is not None and tp > 1 else "")
 
-        out = [("detokenizer", "detokenizer_proc.process", 0, 0)]
-        if dp > 1:
+        out = [("detokenizer", "detokenizer_proc.process", 0, 0)] if node == 0 else []
+        if dp > 1 and node == 0:
             out.append(("dp_controller", "scheduler_proc.dp_controller", 0, 0))
         for d in range(dp):
-            out += [(named("worker", d, r), "worker_proc.process", d, r) for r in range(tp)]
-            out.append((named("scheduler", d), "scheduler_proc.process", d, 0))
+            out += [(named("worker", d, r), "worker_proc.process", d, r) for r in range(tp) if r // per_node == node]
+            if node == 0:
+                out.append((named("scheduler", d), "scheduler_proc.process", d, 0))
         return out
 
     def __init__(self, args: ServerArgs, model_dir: Path, extra: dict[str, Any]):
         self.args = args
         self.model_dir = model_dir
-        self.endpoints = Endpoints.create()
+        tcp = None
+        if args.nnodes > 1:  # the sockets between schedulers and workers cross hosts
+            host, port = args.dist_init_addr.rsplit(":", 1)
+            tcp = (host, int(port))
+        self.endpoints = Endpoints.create(tcp, args.dp_size, args.tp_size)
         self.extra = extra
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready_info: dict[str, dict] = {}
@@ -192,7 +215,9 @@ class Launcher:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         server_args = {**dataclasses.asdict(self.args), **self.extra}
         if self.args.tp_size > 1:  # where each tensor-parallel group meets (torch.distributed's TCP store)
-            server_args["dist_init_addrs"] = [f"127.0.0.1:{_free_port()}" for _ in range(self.args.dp_size)]
+            server_args["dist_init_addrs"] = [
+                self.endpoints.dist_init_addr_of(d) if self.args.nnodes > 1 else f"127.0.0.1:{_free_port()}"
+                for d in range(self.args.dp_size)]
         children = self.children()
         for name, module, dp_rank, tp_rank in children:
             cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args, dp_rank=dp_rank, tp_rank=tp_rank)
@@ -296,6 +321,8 @@ class Engine:
         from tokenizer_proc.manager import TokenizerManager
 
         self.args = ServerArgs(**kwargs)
+        if self.args.node_rank > 0:
+            raise ValueError("node_rank > 0: the Engine runs on node 0; start the other nodes with launch.py")
         self.model_dir, self.tokenizer, self.launcher, self.server_info = _prepare(self.args)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="loom-engine-loop", daemon=True)
@@ -428,7 +455,41 @@ def _as_prompt_list(prompt, input_ids) -> tuple[list, list, bool]:
 
 # ---- server ---------------------------------------------------------------------------------------
 
+def serve_worker_node(args: ServerArgs) -> None:
+    """A host other than node 0 (--node-rank > 0): it runs only its workers, which join their
+    groups at --dist-init-addr, and goes down when they do (or node 0 does: they notice)."""
+    from worker_proc.model_loader import resolve_model_path
+
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
+    model_dir = resolve_model_path(args.model_path)
+    TPShard.of(ModelConfig.from_dir(model_dir), 0, args.tp_size)
+    launcher = Launcher(args, model_dir, {})
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    print(f"loom: node {args.node_rank} of {args.nnodes}: starting {len(launcher.children())} workers, "
+          f"joining {args.dist_init_addr}", flush=True)
+    exit_code = []
+    try:
+        launcher.start()
+        print(f"loom: node {args.node_rank} of {args.nnodes} ready", flush=True)
+
+        def on_death(message: str) -> None:
+            print(f"loom: {message}", file=sys.stderr, flush=True)
+            exit_code.append(1)
+            done.set()
+
+        launcher.watch(on_death)
+        done.wait()
+    finally:
+        launcher.shutdown()
+    if exit_code:
+        sys.exit(1)
+
+
 def serve(args: ServerArgs) -> None:
+    if args.node_rank > 0:
+        return serve_worker_node(args)
     import uvicorn
     import uvloop
 

@@ -1,5 +1,6 @@
 """ZMQ endpoints and typed send/receive helpers. Endpoints are ipc:// files in a private
-0700 temp dir, so only this user's processes on this host can connect."""
+0700 temp dir, so only this user's processes on this host can connect; with several hosts
+(--nnodes) the sockets between a scheduler and its workers are tcp://, on the address given."""
 
 from __future__ import annotations
 
@@ -21,11 +22,24 @@ class Endpoints(msgspec.Struct):
     tokenizer_in: str  # detokenizer -> tokenizer
     controller_in: str  # tokenizer and schedulers' load reports -> DP controller (when --dp-size > 1)
     launcher: str  # every child -> launcher (ready / failed)
+    # several hosts: worker_in / scheduler_results are tcp://host:port, ports counted up from
+    # tcp_port (after the dp ranks' torch.distributed stores: see dist_init_addr_of)
+    tcp_host: str = ""
+    tcp_port: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
 
     @classmethod
-    def create(cls) -> "Endpoints":
+    def create(cls, tcp: tuple[str, int] | None = None, dp_size: int = 1, tp_size: int = 1) -> "Endpoints":
         base = tempfile.mkdtemp(prefix="loom-")  # mkdtemp makes it 0700
-        return cls(**{name: f"ipc://{base}/{name}" for name in cls.__struct_fields__})
+        names = [n for n in cls.__struct_fields__ if n not in ("tcp_host", "tcp_port", "dp_size", "tp_size")]
+        host, port = tcp or ("", 0)
+        return cls(**{name: f"ipc://{base}/{name}" for name in names}, tcp_host=host, tcp_port=port,
+                   dp_size=dp_size, tp_size=tp_size)
+
+    def dist_init_addr_of(self, dp_rank: int) -> str:
+        """Where data-parallel rank dp_rank's tensor-parallel group meets (several hosts only)."""
+        return f"{self.tcp_host}:{self.tcp_port + dp_rank}"
 
     def requests_in(self, dp_size: int) -> str:
         """Where the tokenizer sends requests: the DP controller, or the one scheduler."""
@@ -35,11 +49,18 @@ class Endpoints(msgspec.Struct):
         return f"{self.scheduler_in}-{dp_rank}"
 
     def scheduler_results_of(self, dp_rank: int) -> str:
+        if self.tcp_host:
+            return self._tcp(self.dp_size + self.dp_size * self.tp_size + dp_rank)
         return f"{self.scheduler_results}-{dp_rank}"
 
     def worker_in_of(self, dp_rank: int, tp_rank: int) -> str:
         """The scheduler -> worker socket of one tensor-parallel rank of one data-parallel rank."""
+        if self.tcp_host:
+            return self._tcp(self.dp_size + dp_rank * self.tp_size + tp_rank)
         return f"{self.worker_in}-{dp_rank}-{tp_rank}"
+
+    def _tcp(self, offset: int) -> str:
+        return f"tcp://{self.tcp_host}:{self.tcp_port + offset}"
 
     @property
     def directory(self) -> str:
@@ -76,3 +97,22 @@ class Receiver:
 
     def decode(self, frame: bytes | memoryview) -> Any:
         return self._decoder.decode(frame)
+
+
+class PeerWatch:
+    """Notices that the peer of a connected socket went away: a process killed on another host
+    closes its TCP connections, which ZMQ reports as the disconnect of an established session
+    (ZMQ would silently reconnect, and a PUSH/PULL pair would wait forever). Connection attempts
+    before the peer is up report other events."""
+
+    def __init__(self, socket: zmq.Socket):
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def lost(self) -> bool:
+        """Reads the pending events; True if a connected peer has disconnected."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        lost = False
+        while self.monitor.poll(0):
+            lost |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return lost

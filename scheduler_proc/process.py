@@ -15,7 +15,7 @@ from detokenizer_proc.decoder import load_decoder
 from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, GenerateReqs, LoadReport,
                           StatsReq, StatsResp, TokenDelta, ToScheduler, WorkerError, WorkerReady)
 from ipc.proc import ChildConfig, run_child
-from ipc.sockets import Receiver, Sender
+from ipc.sockets import PeerWatch, Receiver, Sender
 from scheduler_proc.core import ReqOutput, SchedulerConfig, SchedulerCore
 from scheduler_proc.req import Req
 
@@ -71,6 +71,13 @@ class SchedulerProcess:
         self.poller = zmq.Poller()
         self.poller.register(self.requests.socket, zmq.POLLIN)
         self.poller.register(self.results.socket, zmq.POLLIN)
+        # workers on other hosts (tcp): a killed one only shows as its connection going away
+        self.peer_watches = [PeerWatch(w.socket) for w in self.workers] if ep.tcp_host else []
+        self.idle_poller = zmq.Poller()
+        self.idle_poller.register(self.requests.socket, zmq.POLLIN)
+        for watch in self.peer_watches:
+            self.poller.register(watch.monitor, zmq.POLLIN)
+            self.idle_poller.register(watch.monitor, zmq.POLLIN)
 
         readies = []
         while len(readies) < len(self.workers):
@@ -185,7 +192,8 @@ class SchedulerProcess:
                 if leaks:
                     log.error("IDLE SELF-CHECK FAILED: %s", "; ".join(leaks))
                 # Idle: sleep until a request arrives (or a queued one's timeout may be due).
-                self.requests.poll(1000 if self.core.waiting or self.core.running else -1)
+                self.idle_poller.poll(1000 if self.core.waiting or self.core.running else None)
+                self.check_peers()
                 continue
             wire = self.encoder.encode(batch.to_worker_batch())
             for worker in self.workers:
@@ -195,10 +203,19 @@ class SchedulerProcess:
             self.collective_s += result.collective_s
             self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
 
+    def check_peers(self) -> None:
+        for rank, watch in enumerate(self.peer_watches):
+            if watch.lost():
+                raise RuntimeError(f"the tp rank {rank} worker of dp rank {self.dp_rank} disconnected (its process "
+                                   "or host went away)")
+
     def wait_result(self) -> BatchResult:
         # Requests that arrive during the forward are queued now, so they join the next step.
         while True:
             for sock, _ in self.poller.poll():
+                if sock is not self.results.socket and sock is not self.requests.socket:
+                    self.check_peers()
+                    continue
                 if sock is self.results.socket:
                     msg = self.results.recv()
                     if isinstance(msg, WorkerError):

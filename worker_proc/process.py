@@ -11,7 +11,7 @@ import zmq
 
 from ipc.messages import BatchResult, ModelWorkerBatch, Shutdown, ToWorker, WorkerError, WorkerReady
 from ipc.proc import ChildConfig, run_child
-from ipc.sockets import Receiver, Sender
+from ipc.sockets import PeerWatch, Receiver, Sender
 
 log = logging.getLogger("loom.worker")
 
@@ -55,7 +55,17 @@ def main(config: ChildConfig, report_ready) -> None:
                   "threads": torch.get_num_threads(), "kernel_backend": runner.kernel_backend,
                   "kernel_isa": runner.kernel_isa, "quantization": args["quantization"],
                   "tp_rank": rank, "weight_bytes": runner.weight_bytes})
+    # a scheduler on another host (tcp): its going away only shows as the connection closing
+    watch = PeerWatch(batches.socket) if config.endpoints.tcp_host else None
+    poller = zmq.Poller()
+    poller.register(batches.socket, zmq.POLLIN)
+    if watch is not None:
+        poller.register(watch.monitor, zmq.POLLIN)
     while True:
+        if watch is not None and dict(poller.poll()).get(batches.socket) is None:
+            if watch.lost():
+                raise RuntimeError(f"the scheduler of dp rank {config.dp_rank} disconnected (node 0 went away)")
+            continue
         msg = batches.recv()
         if isinstance(msg, Shutdown):
             tp.close()
