@@ -117,6 +117,18 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     # Some request in the batch (or parked behind one, to share its prefill) has penalties that
     # read its token history: the worker records the rows' tokens. Off, it skips that work.
     track_tokens: bool = True
+    # Per sample entry: the future-map entry its sampled id is stored in. An input id -k - 1 < 0
+    # is entry k's id, sampled by an earlier step (overlap: a step is planned before the result
+    # of the one before it is known). Entries are reused after future_capacity(...) samples.
+    future_slots: list[int] = []
+    # tensor parallelism under overlap: rank 0 shares the sampled ids so every rank's map has them
+    share_samples: bool = False
+
+
+def future_capacity(max_running_requests: int) -> int:
+    """Entries of the future map: a step samples at most one token per running request, and an
+    entry is read at most one step after it is written; room for four steps."""
+    return 4 * max_running_requests + 16
 
 
 class Shutdown(msgspec.Struct, tag=True):

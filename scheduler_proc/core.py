@@ -10,6 +10,14 @@ Requests of one prefill group with identical prompts (the n choices of an OpenAI
 one prefill: the first is the group's leader and computes the prompt; the others wait parked on
 it, and when its last prompt chunk is scheduled they fork from it (its KV slots, shared by
 reference count, and its logits row for their first token).
+
+Placeholders: every row that samples appends a placeholder to its request's output_ids when the
+step is planned, -k - 1 for the worker's future-map entry k, and on_result puts the sampled token
+in its place. A step planned before the previous step's result is applied (the overlap loop)
+thus feeds the not-yet-known token by reference, resolved inside the worker; the normal loop
+applies every result before planning again, so its steps never carry one. A request found
+finished one step late drops the placeholder of the step after (that row's token is ignored and
+its KV slot freed with the rest of the request's).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ipc.messages import FinishReason
+from ipc.messages import FinishReason, future_capacity
 from scheduler_proc.kv_allocator import ReqSlotAllocator, TokenSlotAllocator
 from scheduler_proc.policies import QUEUE_POLICIES, QueuePolicy, apply_priority
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES, PrefillAdder
@@ -67,7 +75,7 @@ class SchedulerCore:
     def __init__(
         self,
         config: SchedulerConfig,
-        stop_checker: Callable[[Req], str | None] | None = None,
+        stop_checker: Callable[[Req, int], str | None] | None = None,
     ):
         self.config = config
         self.token_pool = TokenSlotAllocator(config.max_total_tokens)
@@ -89,6 +97,9 @@ class SchedulerCore:
         self.group_leaders: dict[str, Req] = {}
         self.num_prompt_tokens = 0  # prompt tokens of every request admitted or forked, once each
         self.num_cached_prompt_tokens = 0  # of those, the ones forked instead of computed
+        self.future_capacity = future_capacity(config.max_running_requests)
+        self.next_future = 0
+        self.retracted_last_step = False  # the last planned step retracted a request
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -137,6 +148,7 @@ class SchedulerCore:
         budget. Unmixed: a step is either prompts only (prefill first, as SGLang) or decodes
         only; with decode_first a pending decode step goes before the next prompt step."""
         self.now = now
+        retractions = self.num_retractions
         ended = self._check_timeouts(now) if now is not None else []
         batch = ScheduleBatch(step=self.step)
         if self.config.enable_mixed_chunk:
@@ -149,11 +161,37 @@ class SchedulerCore:
                 self._schedule_prefills(batch, self.config.max_prefill_tokens)
             if not batch.rows:
                 ended += self._schedule_decodes(batch)
+        self.retracted_last_step = self.num_retractions > retractions
         if not batch.rows:
             return None, ended
         self.last_batch_was_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in batch.rows)
+        for row in batch.rows:
+            if row.samples:
+                row.output_index, row.future = len(row.req.output_ids), self.next_future
+                self.next_future = (self.next_future + 1) % self.future_capacity
+                row.req.output_ids.append(-row.future - 1)
         self.step += 1
         return batch, ended
+
+    def overlap_blocker(self, in_flight: ScheduleBatch) -> str | None:
+        """Why the next step should not be planned while `in_flight` runs (the overlap loop then
+        applies its result first), or None. Planning ahead is always correct (placeholders);
+        these are the cases where it helps nothing or costs:
+          prefill-after-prefill: the step in flight computes prompts and more prompts wait: their
+            first tokens go out sooner if the next prompt step does not delay applying this one
+            (SGLang does the same, to protect time to first token);
+          after-retraction: the last plan retracted; the KV pool is short and the next plan
+            should see the slots that finishing requests free;
+          kv-short: the decodes of the next step may not fit the free KV slots (they would
+            retract, which the results in flight could make unnecessary)."""
+        if self.retracted_last_step:
+            return "after-retraction"
+        in_flight_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in in_flight.rows)
+        if in_flight_prefill and (self.waiting or any(r.num_pending > 1 for r in self.running)):
+            return "prefill-after-prefill"
+        if self.token_pool.num_free < len(self.running):
+            return "kv-short"
+        return None
 
     def on_result(self, batch: ScheduleBatch, next_token_ids: Iterable[int],
                   logprobs: list | None = None) -> list[ReqOutput]:
@@ -163,16 +201,19 @@ class SchedulerCore:
         tokens = iter(next_token_ids)
         lps = iter(logprobs or ())
         for row in batch.rows:
-            req = row.req
-            token = next(tokens) if row.samples else None
-            lp = next(lps, None) if row.samples else None
-            if req.state is not ReqState.RUNNING or token is None:
-                continue  # aborted while in flight, or a prompt chunk that samples nothing
-            req.output_ids.append(token)
+            if not row.samples:
+                continue  # a prompt chunk that samples nothing
+            req, token, lp = row.req, next(tokens), next(lps, None)
+            if req.state is ReqState.FINISHED:
+                continue  # aborted while in flight, or found finished by the step before
+            # (a request retracted while this step ran is WAITING: its token still counts)
+            req.output_ids[row.output_index] = token
+            produced = row.output_index + 1
             if lp is not None:
                 req.output_logprobs.append(lp)
-            finish = self._check_finish(req, token)
+            finish = self._check_finish(req, token, produced)
             if finish is not None:
+                del req.output_ids[produced:]  # a later step's placeholder: that token is not wanted
                 outputs.append(self._finish(req, finish))
             else:
                 outputs.append(ReqOutput(req, self._take_unsent(req), False))
@@ -187,7 +228,9 @@ class SchedulerCore:
     def _schedule_decodes(self, batch: ScheduleBatch) -> list[ReqOutput]:
         ended: list[ReqOutput] = []
         while True:
-            decoding = [r for r in self.running if r.num_pending == 1]
+            # (a request whose last token is still in flight needs no more once that one is its
+            # last: the normal loop never has such a request running)
+            decoding = [r for r in self.running if r.num_pending == 1 and not self._last_token_planned(r)]
             if self.token_pool.num_free >= len(decoding):
                 break
             if len(self.running) == 1:
@@ -341,25 +384,34 @@ class SchedulerCore:
 
     # ---- finishing ---------------------------------------------------------------------
 
-    def _check_finish(self, req: Req, token: int) -> FinishReason | None:
+    def _check_finish(self, req: Req, token: int, produced: int) -> FinishReason | None:
+        """Whether `token`, the request's output token number `produced`, ends it (later
+        output ids may be placeholders of steps planned since)."""
         sp = req.sampling
         if token in sp.stop_token_ids:
             return FinishReason("stop", matched=token)
-        if not sp.ignore_eos and token in self._eos and len(req.output_ids) >= sp.min_new_tokens:
+        if not sp.ignore_eos and token in self._eos and produced >= sp.min_new_tokens:
             return FinishReason("stop", matched=token)
         if (sp.stop or sp.stop_regex) and self.stop_checker is not None:
-            matched = self.stop_checker(req)
+            matched = self.stop_checker(req, produced)
             if matched is not None:
                 return FinishReason("stop", matched=matched)
-        if len(req.output_ids) >= sp.max_new_tokens:
+        if produced >= sp.max_new_tokens:
             return FinishReason("length")
-        if req.num_fill >= self.config.max_context_len:
+        if len(req.input_ids) + produced >= self.config.max_context_len:
             return FinishReason("length", message="reached the model's context length")
         return None
+
+    def _last_token_planned(self, req: Req) -> bool:
+        """The request's output already reaches its length limit with the tokens planned so far."""
+        return (len(req.output_ids) >= req.sampling.max_new_tokens
+                or req.num_fill >= self.config.max_context_len)
 
     def _finish(self, req: Req, finish: FinishReason) -> ReqOutput:
         if req.state is ReqState.RUNNING:
             self._release(req)
+        elif req in self.waiting:  # retracted while its last token was in flight
+            self.waiting.remove(req)
         if req.prefill_group is not None and self.group_leaders.get(req.prefill_group) is req:
             del self.group_leaders[req.prefill_group]
         followers, req.followers = req.followers, []
@@ -382,8 +434,12 @@ class SchedulerCore:
 
     @staticmethod
     def _take_unsent(req: Req) -> list[int]:
-        new = req.output_ids[req.sent_ids :]
-        req.sent_ids = len(req.output_ids)
+        """The output ids not handed out yet, up to the first placeholder."""
+        ids, end = req.output_ids, len(req.output_ids)
+        while end > req.sent_ids and ids[end - 1] < 0:
+            end -= 1
+        new = ids[req.sent_ids : end]
+        req.sent_ids = end
         return new
 
     # ---- introspection -----------------------------------------------------------------

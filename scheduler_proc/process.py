@@ -32,11 +32,13 @@ class StopChecker:
         self.decoder = decoder
         self.patterns: dict[str, re.Pattern] = {}
 
-    def __call__(self, req: Req) -> str | None:
+    def __call__(self, req: Req, produced: int) -> str | None:
+        """The stop string or regex match in the request's first `produced` output tokens' tail."""
         sp = req.sampling
         # A token decodes to at least one byte, so this many tokens cover the longest stop.
         window = max([len(s.encode()) + 1 for s in sp.stop] + [self.REGEX_WINDOW if sp.stop_regex else 0])
-        tail = self.decoder.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)
+        tail = self.decoder.decode(req.output_ids[max(0, produced - window) : produced],
+                                   skip_special_tokens=sp.skip_special_tokens)
         for s in sp.stop:
             if s in tail:
                 return s
@@ -152,9 +154,9 @@ class SchedulerProcess:
             r = o.req
             if o.finished and self.controller is not None:
                 self.finished_since_report.append(r.rid)
-            first = len(r.output_ids) - len(o.new_ids)
+            first = r.sent_ids - len(o.new_ids)  # (output ids past sent_ids are placeholders)
             items.append(TokenDelta(
-                rid=r.rid, new_ids=o.new_ids, prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids),
+                rid=r.rid, new_ids=o.new_ids, prompt_tokens=len(r.input_ids), completion_tokens=r.sent_ids,
                 finish=r.finish if o.finished else None, stop=r.sampling.stop,
                 skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions,
                 logprobs=r.output_logprobs[first:] if r.sampling.logprobs else [], cached_tokens=r.cached_tokens))

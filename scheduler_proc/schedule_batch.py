@@ -20,6 +20,11 @@ class BatchRow:
     # A forked request computes nothing (extend_len 0): it samples from the logits of the row
     # at this index in ScheduleBatch.rows, its leader's last prompt chunk.
     logits_of: int | None = None
+    # A sampling row's token: where it goes in req.output_ids (a placeholder until on_result)
+    # and the future-map entry the worker stores it in (a later step planned before on_result
+    # reads it from there: see SchedulerCore's placeholders).
+    output_index: int = -1
+    future: int = -1
 
 
 @dataclass(slots=True)
@@ -58,7 +63,8 @@ class ScheduleBatch:
             prompt_lens=[len(r.req.input_ids) for r in compute],
             sample_rows=[worker_row[i if r.logits_of is None else r.logits_of] for i, r in sampling_rows],
             sampling=[r.req.sampling for _, r in sampling_rows],
-            output_lens=[len(r.req.output_ids) for _, r in sampling_rows],
+            output_lens=[r.output_index for _, r in sampling_rows],
+            future_slots=[r.future for _, r in sampling_rows],
             forks=list(self.forks),
             track_tokens=any(_uses_token_history(r.req) for r in self.rows),
         )

@@ -35,7 +35,7 @@ def test_counts_and_prompt_masks_track_every_request(tmp_path):
             req, slot = row.req, row.req.req_pool_idx
             if not row.samples:
                 continue
-            expected = np.bincount(np.asarray(req.output_ids, dtype=np.int64), minlength=1000)
+            expected = np.bincount(np.asarray(req.output_ids[: row.output_index], dtype=np.int64), minlength=1000)
             assert np.array_equal(runner.output_counts.counts[slot].numpy(), expected), req.rid
             prompt = np.zeros(1000, dtype=bool)
             prompt[req.input_ids] = True
@@ -67,7 +67,8 @@ def test_forked_choices_see_exact_penalty_state_and_match_lone_runs(tmp_path):
             for row in batch.rows:
                 if row.samples:
                     slot = row.req.req_pool_idx
-                    expected = np.bincount(np.asarray(row.req.output_ids, dtype=np.int64), minlength=1000)
+                    expected = np.bincount(np.asarray(row.req.output_ids[: row.output_index], dtype=np.int64),
+                                           minlength=1000)
                     assert np.array_equal(runner.output_counts.counts[slot].numpy(), expected)
                     mask = np.zeros(1000, dtype=bool)
                     mask[prompt] = True
@@ -108,7 +109,8 @@ def test_token_history_is_recorded_only_where_penalties_read_it(tmp_path):
             ids = runner.forward(wire)
             for row in batch.rows:
                 if row.samples and row.req.sampling.uses_token_history:
-                    expected = np.bincount(np.asarray(row.req.output_ids, dtype=np.int64), minlength=1000)
+                    expected = np.bincount(np.asarray(row.req.output_ids[: row.output_index], dtype=np.int64),
+                                           minlength=1000)
                     assert np.array_equal(runner.output_counts.counts[row.req.req_pool_idx].numpy(), expected)
             core.on_result(batch, ids)
         return flags
