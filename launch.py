@@ -70,6 +70,11 @@ class ServerArgs:
     force_fifo_every: int = _arg(0, "with pack: the queue head goes first after this many admissions passed it "
                                     "over (0: never forced)")
     enable_priority_scheduling: bool = _arg(False, "higher request `priority` first, the policy's order within")
+    disable_overlap_schedule: bool = _arg(False, "plan each step only after the previous step's result is "
+                                                 "applied (the normal loop) instead of while it runs (overlap: "
+                                                 "the scheduler's CPU work hides behind the forward pass)")
+    log_interval: int = _arg(0, "log the step metrics (forward, worker gap, scheduler CPU, busy fraction) every "
+                                "this many steps (0: never)")
     waiting_timeout: float | None = _arg(None, "abort requests queued longer than this (seconds)")
     running_timeout: float | None = _arg(None, "abort requests running longer than this (seconds)")
     kernel_backend: str = _arg("auto", "loom's CPU kernels (cpu: attention, fused norms, weight-streaming "

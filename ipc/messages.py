@@ -158,6 +158,7 @@ class BatchResult(msgspec.Struct, tag=True):
     forward_s: float
     logprobs: list[TokenLogprobs | None] = []  # one per sample row when any row asked
     collective_s: float = 0.0  # of forward_s, rank 0's time in tensor-parallel collectives
+    gap_s: float = 0.0  # the worker's wait between the end of its previous forward and this one
 
 
 class WorkerError(msgspec.Struct, tag=True):

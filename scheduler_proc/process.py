@@ -17,6 +17,9 @@ from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, Gene
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import PeerWatch, Receiver, Sender
 from scheduler_proc.core import ReqOutput, SchedulerConfig, SchedulerCore
+from scheduler_proc.event_loop import event_loop_normal, event_loop_overlap
+from scheduler_proc.schedule_batch import ScheduleBatch
+from scheduler_proc.step_metrics import StepMetrics
 from scheduler_proc.req import Req
 
 log = logging.getLogger("loom.scheduler")
@@ -65,8 +68,11 @@ class SchedulerProcess:
         # data parallelism: this rank's load goes to the DP controller at a bounded rate
         self.controller = Sender(ctx, zmq.PUSH, ep.controller_in) if args["dp_size"] > 1 else None
         self.received = 0  # requests received since start
-        # the step trace, summed: forward passes and, of those, tensor-parallel collectives
-        self.forward_s = self.collective_s = 0.0
+        self.metrics = StepMetrics(args.get("log_interval") or 0)
+        self.overlap = not args.get("disable_overlap_schedule", True)
+        self.share_samples = self.overlap and args["tp_size"] > 1  # every TP rank's future map needs them
+        self.launched_after_idle: set[int] = set()  # steps whose worker gap is idle time, not overhead
+        self.was_idle = True
         self.finished_since_report: list[str] = []
         self.last_report = (0.0, None)  # (when, what it said)
         self.encoder = msgspec.msgpack.Encoder()
@@ -129,7 +135,7 @@ class SchedulerProcess:
             self.emit(self.core.abort(msg.rid, msg.message))
         elif isinstance(msg, StatsReq):
             stats = {**self.core.stats(), "dp_rank": self.dp_rank, "requests_received": self.received,
-                     "forward_seconds": self.forward_s, "collective_seconds": self.collective_s}
+                     "overlap_schedule": int(self.overlap), **self.metrics.stats()}
             self.detokenizer.send(StatsResp(msg.query_id, stats))
 
     def add_request(self, msg: GenerateReq) -> None:
@@ -181,29 +187,49 @@ class SchedulerProcess:
         self.finished_since_report = []
         self.last_report = (now, load)
 
-    # ---- loop ------------------------------------------------------------------------------
+    # ---- the steps the event loops (event_loop.py) are made of ----------------------------------
 
     def run(self) -> None:
-        while True:
-            self.drain_requests()
-            batch, ended = self.core.next_batch(self.clock())
-            self.emit(ended)
-            self.report_load(idle=batch is None)
-            if batch is None:
-                leaks = self.core.idle_leaks()
-                if leaks:
-                    log.error("IDLE SELF-CHECK FAILED: %s", "; ".join(leaks))
-                # Idle: sleep until a request arrives (or a queued one's timeout may be due).
-                self.idle_poller.poll(1000 if self.core.waiting or self.core.running else None)
-                self.check_peers()
-                continue
-            wire = self.encoder.encode(batch.to_worker_batch())
-            for worker in self.workers:
-                worker.send_encoded(wire)
-            result = self.wait_result()
-            self.forward_s += result.forward_s
-            self.collective_s += result.collective_s
-            self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
+        (event_loop_overlap if self.overlap else event_loop_normal)(self)
+
+    def plan(self) -> ScheduleBatch | None:
+        """Queued requests in, then the core's next step (None: nothing to run)."""
+        self.drain_requests()
+        batch, ended = self.core.next_batch(self.clock())
+        self.emit(ended)
+        self.report_load(idle=batch is None)
+        return batch
+
+    def launch(self, batch: ScheduleBatch, after: ScheduleBatch | None = None) -> None:
+        """Sends the step to every worker (while `after`, the step before, may still run)."""
+        wire = batch.to_worker_batch()
+        wire.share_samples = self.share_samples
+        frame = self.encoder.encode(wire)
+        for worker in self.workers:
+            worker.send_encoded(frame)
+        if self.was_idle:
+            self.launched_after_idle.add(batch.step)
+            self.was_idle = False
+
+    def apply_result(self, batch: ScheduleBatch) -> None:
+        result = self.wait_result()
+        assert result.step == batch.step, (result.step, batch.step)
+        after_idle = batch.step in self.launched_after_idle
+        self.launched_after_idle.discard(batch.step)
+        gap = 0.0 if after_idle else result.gap_s
+        line = self.metrics.on_step(result.forward_s, gap, result.collective_s)
+        if line:
+            log.info(line)
+        self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
+
+    def idle_wait(self) -> None:
+        leaks = self.core.idle_leaks()
+        if leaks:
+            log.error("IDLE SELF-CHECK FAILED: %s", "; ".join(leaks))
+        # Idle: sleep until a request arrives (or a queued one's timeout may be due).
+        self.idle_poller.poll(1000 if self.core.waiting or self.core.running else None)
+        self.check_peers()
+        self.was_idle = True
 
     def check_peers(self) -> None:
         for rank, watch in enumerate(self.peer_watches):

@@ -13,6 +13,7 @@ from ipc.messages import ModelWorkerBatch, TokenLogprobs
 from worker_proc import cpu_kernels
 from worker_proc.attention import PagedKernelAttention, TorchAttention
 from worker_proc.forward_batch import ForwardBatch
+from worker_proc.future_map import FutureMap
 from worker_proc.kv_cache import KVPool
 from worker_proc.linear import pack_dense_weights, quantize_linears
 from worker_proc.model_config import ModelConfig
@@ -110,6 +111,7 @@ class ModelRunner:
         # Per request slot: output token counts and prompt tokens, for the penalties.
         self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.prompt_tokens = PromptTokenMask(rc.max_running_requests, self.config.vocab_size, rc.device)
+        self.futures = FutureMap(rc.max_running_requests)  # sampled ids a later step references
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> list[int]:
@@ -117,8 +119,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_with_logprobs(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Sampled ids (one per sample row) and, when any row asked, their logprobs."""
+        """Sampled ids (one per sample row) and, when any row asked, their logprobs; they are also
+        kept in the future map, where a later step's input references find them."""
+        ids, logprobs = self._forward(batch)
+        if self.tp.size > 1 and batch.share_samples:  # every rank's map needs them
+            ids = self.tp.broadcast_ids(ids, len(batch.future_slots))
+        if len(ids) == len(batch.future_slots):  # (a tensor-parallel rank other than 0 has none otherwise)
+            self.futures.store(batch.future_slots, ids)
+        return ids, logprobs
+
+    def _forward(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         fb = ForwardBatch.from_worker_batch(batch)
+        self.futures.resolve(fb.input_ids)
         self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
         self.attn.prepare(fb)
         if batch.track_tokens:

@@ -55,6 +55,7 @@ def main(config: ChildConfig, report_ready) -> None:
                   "threads": torch.get_num_threads(), "kernel_backend": runner.kernel_backend,
                   "kernel_isa": runner.kernel_isa, "quantization": args["quantization"],
                   "tp_rank": rank, "weight_bytes": runner.weight_bytes})
+    last_end = None  # when the previous forward ended: the gap before the next is the scheduler's
     # a scheduler on another host (tcp): its going away only shows as the connection closing
     watch = PeerWatch(batches.socket) if config.endpoints.tcp_host else None
     poller = zmq.Poller()
@@ -72,13 +73,15 @@ def main(config: ChildConfig, report_ready) -> None:
             return
         assert isinstance(msg, ModelWorkerBatch)
         t, collective = time.perf_counter(), tp.collective_s
+        gap = t - last_end if last_end is not None else 0.0
         try:
             ids, logprobs = runner.forward_with_logprobs(msg)
         except Exception as e:
             results.send(WorkerError(f"tp rank {rank}: forward failed at step {msg.step}: {type(e).__name__}: {e}"))
             raise
+        last_end = time.perf_counter()
         if rank == 0:
-            results.send(BatchResult(msg.step, ids, time.perf_counter() - t, logprobs, tp.collective_s - collective))
+            results.send(BatchResult(msg.step, ids, last_end - t, logprobs, tp.collective_s - collective, gap))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,16 @@ class TPGroup:
         dist.broadcast(box, src=0)
         return int(box.item())
 
+    def broadcast_ids(self, ids: list[int], n: int) -> list[int]:
+        """rank 0's n token ids on every rank."""
+        import torch.distributed as dist
+
+        box = torch.tensor(ids if self.rank == 0 else [0] * n, dtype=torch.int64)
+        start = time.perf_counter()
+        dist.broadcast(box, src=0)
+        self.collective_s += time.perf_counter() - start
+        return box.tolist()
+
     def close(self) -> None:
         if self.size > 1:
             import torch.distributed as dist
