@@ -156,6 +156,7 @@ def run_loom(engine: Any, requests: list[Request]) -> dict[str, Any]:
     warm = [[100 + i for i in range(8)], [200 + i for i in range(12)]]
     engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 4, "ignore_eos": True, "temperature": 0.0})
 
+    before = engine.get_stats()
     print(f"loom: generating {len(requests)} requests in one call ...", flush=True)
     stop = threading.Event()
     start = time.perf_counter()
@@ -186,7 +187,15 @@ def run_loom(engine: Any, requests: list[Request]) -> dict[str, Any]:
         "length_mismatches": len(short),
         "num_retractions": stats.get("num_retractions"),
         "scheduler_steps": stats.get("step"),
+        # the worker's forward time over forward plus its gaps while work was queued
+        "busy_fraction": _busy_fraction(before, stats),
     }
+
+
+def _busy_fraction(before: dict, after: dict) -> float | None:
+    forward = after["forward_seconds"] - before["forward_seconds"]
+    gap = after["worker_gap_seconds"] - before["worker_gap_seconds"]
+    return forward / (forward + gap) if forward + gap else None
 
 
 # ---- Hugging Face baseline --------------------------------------------------------------------
@@ -361,8 +370,9 @@ def run_llamacpp(gguf: Path, requests: list[Request], threads: int) -> dict[str,
 # ---- main -------------------------------------------------------------------------------------
 
 def print_side(name: str, r: dict[str, Any]) -> None:
-    print(f"{name}: {r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s, {r['wall_s']:.2f} s",
-          flush=True)
+    busy = f", worker busy {r['busy_fraction']:.3f}" if r.get("busy_fraction") is not None else ""
+    print(f"{name}: {r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s, {r['wall_s']:.2f} s"
+          f"{busy}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -116,8 +116,8 @@ def run_serving(loop: str, threads: int, args, model_dir) -> dict[str, Any]:
         server.terminate()
         server.wait(30)
     figures = step_figures(result["server_stats_before"]["dp_ranks"][0], result["server_stats_after"]["dp_ranks"][0])
-    return {"output_tok_s": result["output_throughput"], "itl_p50_ms": result["p50_itl_ms"],
-            "ttft_p50_ms": result["p50_ttft_ms"], **figures}
+    return {"output_tok_s": result["output_throughput"], "itl_p50_ms": result["median_itl_ms"],
+            "ttft_p50_ms": result["median_ttft_ms"], **figures}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

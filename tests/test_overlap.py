@@ -4,6 +4,9 @@ its own future map, random workloads), then through every process with SmolLM2."
 
 from __future__ import annotations
 
+import threading
+import time
+
 import msgspec
 import numpy as np
 import pytest
@@ -182,3 +185,132 @@ def test_tokens_are_the_model_s_whatever_the_order():
     for _ in range(6):
         tokens.append(next_token(tokens))
     assert outputs["x"] == tokens[3:]
+
+
+# ---- through every process: SmolLM2, float32 ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engines(default_model_dir):
+    """One Engine per loop (normal, overlap), started once for the tests below."""
+    from launch import Engine
+
+    made = {}
+    try:
+        for loop, disable in (("normal", True), ("overlap", False)):
+            made[loop] = Engine(dtype="float32", kv_cache_gb=0.5, max_running_requests=64,
+                                disable_overlap_schedule=disable, log_level="warning")
+        yield made
+    finally:
+        for e in made.values():
+            e.shutdown()
+
+
+def test_greedy_and_seeded_outputs_are_the_same_in_both_loops(engines, chat_prompt_ids):
+    prompts = [list(p) for p in chat_prompt_ids]
+    greedy = {"max_new_tokens": 64, "temperature": 0}
+    seeded = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 0.9, "seed": 1234}
+    outs = {}
+    for loop, engine in engines.items():
+        alone = [engine.generate(input_ids=p, sampling_params=greedy)["output_ids"] for p in prompts]
+        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts * 8, sampling_params=greedy)]
+        sampled = [o["output_ids"] for o in engine.generate(input_ids=prompts * 2, sampling_params=seeded)]
+        outs[loop] = (alone, batched, sampled)
+        assert engine.get_stats()["overlapped_steps"] > 0 if loop == "overlap" else True
+    assert outs["overlap"][0] == outs["normal"][0]
+    assert outs["overlap"][1] == outs["normal"][1]
+    assert outs["overlap"][2] == outs["normal"][2]
+    assert outs["normal"][1] == outs["normal"][0] * 8  # (batched = alone, as the parity tests say)
+
+
+def _stop_cases(engine, prompt: list[int]) -> list[dict]:
+    """Sampling params that end a greedy completion each way, found from its unbounded output:
+    length, EOS, a stop string that spans a token boundary, a stop regex."""
+    ref = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 48, "temperature": 0,
+                                                              "skip_special_tokens": False})
+    ids = ref["output_ids"]
+    pieces = [engine.tokenizer.decode([t]) for t in ids]
+    i = next(i for i in range(3, len(ids) - 1)
+             if len(pieces[i].strip()) >= 2 and len(pieces[i + 1].strip()) >= 2)
+    across = pieces[i][-2:] + pieces[i + 1][:2]  # the last two characters of one token, the first two of the next
+    word = next(w for w in ref["text"].split() if w.isalpha() and len(w) >= 4)
+    return [{"max_new_tokens": 7}, {"max_new_tokens": 64}, {"max_new_tokens": 48, "stop": [across]},
+            {"max_new_tokens": 48, "stop_regex": [word[:3] + "[a-z]"]}]
+
+
+def test_stop_conditions_end_at_the_same_token_in_both_loops(engines, chat_prompt_ids):
+    prompt = list(chat_prompt_ids[1])
+    cases = _stop_cases(engines["normal"], prompt)
+    results = {loop: [e.generate(input_ids=prompt, sampling_params={**c, "temperature": 0}) for c in cases]
+               for loop, e in engines.items()}
+    kinds = []
+    for normal, overlap in zip(results["normal"], results["overlap"]):
+        assert overlap["output_ids"] == normal["output_ids"] and overlap["text"] == normal["text"]
+        assert overlap["meta_info"]["completion_tokens"] == len(overlap["output_ids"])
+        assert overlap["meta_info"]["finish_reason"] == normal["meta_info"]["finish_reason"]
+        kinds.append(normal["meta_info"]["finish_reason"]["type"])
+    assert kinds[0] == "length" and len(results["overlap"][0]["output_ids"]) == 7
+    assert results["overlap"][1]["meta_info"]["finish_reason"]["matched"] in engines["overlap"].tokenizer.all_special_ids
+    assert kinds[2:] == ["stop", "stop"]
+
+
+def test_an_abort_mid_stream_ends_the_text_there_and_frees_everything(engines, chat_prompt_ids):
+    engine = engines["overlap"]
+    full = engine.generate(input_ids=list(chat_prompt_ids[2]),
+                           sampling_params={"max_new_tokens": 64, "temperature": 0, "ignore_eos": True})
+    chunks = []
+    for chunk in engine.generate(input_ids=list(chat_prompt_ids[2]), stream=True, rid="cut",
+                                 sampling_params={"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}):
+        chunks.append(chunk)
+        if len(chunk["output_ids"]) >= 5 and not any(len(c["output_ids"]) >= 5 for c in chunks[:-1]):
+            engine.abort("cut")  # once, mid-stream
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["output_ids"] == full["output_ids"][: len(last["output_ids"])]
+    assert last["meta_info"]["completion_tokens"] == len(last["output_ids"]) < 64
+
+
+def test_nothing_leaks_after_retractions_and_aborts_in_the_overlap_loop(default_model_dir, chat_prompt_ids):
+    from launch import Engine
+
+    with Engine(dtype="float32", kv_cache_gb=0.02, max_running_requests=16, log_level="warning") as engine:
+        assert engine.get_stats()["overlap_schedule"] == 1
+        prompts = [list(p) for p in chat_prompt_ids] * 2
+        done = []
+        thread = threading.Thread(target=lambda: done.append(engine.generate(
+            input_ids=prompts, sampling_params={"max_new_tokens": 64, "temperature": 0, "ignore_eos": True})))
+        thread.start()
+        time.sleep(1.0)
+        engine.abort()  # everything, mid-run
+        thread.join(120)
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 40, "temperature": 0,
+                                                                    "ignore_eos": True})
+        assert all(len(o["output_ids"]) == 40 for o in outs)
+        stats = engine.get_stats()
+        assert stats["num_retractions"] > 0
+        assert stats["kv_slots_free"] == stats["kv_slots_total"] and stats["req_slots_free"] == stats["req_slots_total"]
+        assert stats["idle_check_failures"] == 0 and stats["num_running"] == 0
+
+
+def test_step_metrics_sum_log_and_count_the_busy_fraction():
+    from scheduler_proc.step_metrics import StepMetrics
+
+    m = StepMetrics(log_interval=2)
+    assert m.on_step(0.100, 0.0, 0.0) is None
+    m.on_scheduler_cpu(0.002)
+    line = m.on_step(0.100, 0.010, 0.0)
+    assert line is not None and "busy 0.952" in line and "scheduler cpu 1.00 ms" in line
+    m.overlap_skips["after-retraction"] = 3
+    stats = m.stats()
+    assert stats["forward_steps"] == 2 and stats["busy_fraction"] == pytest.approx(0.2 / 0.21)
+    assert stats["overlap_skipped_after_retraction"] == 3 and m.window.steps == 0
+
+
+def test_the_overlap_benchmark_runs_both_loops(default_model_dir, tmp_path):
+    from benchmarks.bench_overlap import main
+
+    out = main(["--num-requests", "4", "--decode-requests", "4", "--skip-serving", "--json", str(tmp_path / "o.json")])
+    loops = [side["loop"] for side in out["results"]]
+    assert loops == ["normal", "overlap"]
+    normal, overlap = (side["offline"] for side in out["results"])
+    assert normal["overlapped_steps"] == 0 < overlap["overlapped_steps"]
+    assert 0 < overlap["busy_fraction"] <= 1 and normal["output_tok_s"] > 0

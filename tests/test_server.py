@@ -205,7 +205,7 @@ def test_metrics_health_generate_abort_and_flush(server):
     text = httpx.get(server.url + "/metrics").text
     for name in ("loom_time_to_first_token_seconds_bucket", "loom_inter_token_latency_seconds_count",
                  "loom_e2e_request_latency_seconds_sum", "loom_generation_tokens_total", "loom_num_running_reqs",
-                 "loom_kv_cache_usage"):
+                 "loom_kv_cache_usage", "loom_busy_fraction", "loom_step_seconds"):
         assert name in text, name
     assert httpx.post(server.url + "/abort_request", json={}).status_code == 400
     assert httpx.post(server.url + "/abort_request", json={"rid": "nope"}).json() == {"aborted": "nope"}

@@ -33,6 +33,14 @@ class Metrics:
         self.cache_hit_rate = Gauge("loom_cache_hit_rate",
                                     "Fraction of the scheduler's prompt tokens not computed (shared from another "
                                     "request's prefill), since start", ["dp_rank"], registry=r)
+        # the scheduler's step trace (scheduler_proc/step_metrics.py), since start
+        self.step_seconds = Gauge("loom_step_seconds", "Seconds summed over the steps: the worker's forward "
+                                  "passes, its gaps between them while work was queued, the scheduler's CPU",
+                                  ["dp_rank", "part"], registry=r)
+        self.busy_fraction = Gauge("loom_busy_fraction", "The worker's forward time over forward plus gaps",
+                                   ["dp_rank"], registry=r)
+        self.overlapped_steps = Gauge("loom_overlapped_steps", "Steps planned while the one before ran",
+                                      ["dp_rank"], registry=r)
 
     def on_tokens(self, now: float, created: float, first_at: float | None, last_at: float | None, n: int) -> None:
         if n <= 0:
@@ -61,4 +69,9 @@ class Metrics:
             self.kv_usage.labels(dp_rank=label).set((rank["kv_slots_total"] - rank["kv_slots_free"]) / total)
             self.retractions.labels(dp_rank=label).set(rank["num_retractions"])
             self.cache_hit_rate.labels(dp_rank=label).set(rank["cache_hit_rate"])
+            for part, key in (("forward", "forward_seconds"), ("worker_gap", "worker_gap_seconds"),
+                              ("scheduler_cpu", "scheduler_cpu_seconds")):
+                self.step_seconds.labels(dp_rank=label, part=part).set(rank[key])
+            self.busy_fraction.labels(dp_rank=label).set(rank["busy_fraction"])
+            self.overlapped_steps.labels(dp_rank=label).set(rank["overlapped_steps"])
         return generate_latest(self.registry)
