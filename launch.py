@@ -86,7 +86,15 @@ class ServerArgs:
     quantization: str = _arg("none", "weight-only quantization of the linear layers: int8 (per output row) or "
                                      "int4 (groups of 32, as GGUF Q4_1)", choices=QUANTIZATIONS)
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
-    schedule_policy: str = _arg("fcfs", "waiting-queue order", choices=tuple(QUEUE_POLICIES.names()))
+    schedule_policy: str = _arg("fcfs", "waiting-queue order (lpm: longest cached prefix first; dfs-weight: the "
+                                        "prefix tree depth first, heaviest subtree first)",
+                                choices=tuple(QUEUE_POLICIES.names()))
+    disable_radix_cache: bool = _arg(False, "no prefix cache: every prompt is computed in full, and the n choices of "
+                                            "a prompt compute it each")
+    page_size: int = _arg(1, "tokens per page of the prefix cache: matches and inserts cover whole pages")
+    in_batch_prefix_threshold: int = _arg(32, "a waiting request that shares at least this many uncached prompt "
+                                              "tokens with one being computed waits a step, then takes them from "
+                                              "the prefix cache (0: never)")
     num_threads: int | None = _arg(None, "torch threads in each worker (default: the cores divided among the "
                                          "tensor-parallel ranks)")
     tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
@@ -115,7 +123,7 @@ class ServerArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
-        for name in ("tp_size", "dp_size", "nnodes"):
+        for name in ("tp_size", "dp_size", "nnodes", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
         if not 0 <= self.node_rank < self.nnodes:
@@ -418,6 +426,10 @@ class Engine:
 
     def abort(self, rid: str = "") -> None:
         self._run(self.manager.abort(rid))
+
+    def flush_cache(self) -> str | None:
+        """Empties the prefix cache; the reason if refused (requests running or queued)."""
+        return self._run(self.manager.flush_cache())
 
     def get_stats(self) -> dict:
         """Scheduler counters: running/waiting requests and free/total KV and request slots."""

@@ -9,7 +9,7 @@ import zmq
 
 from detokenizer_proc.decoder import load_decoder
 from detokenizer_proc.incremental import IncrementalDetokenizer
-from ipc.messages import BatchTextOut, BatchTokenOut, TextDelta, ToDetokenizer
+from ipc.messages import BatchTextOut, BatchTokenOut, StatsResp, TextDelta, ToDetokenizer
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import Receiver, Sender
 
@@ -50,8 +50,9 @@ def main(config: ChildConfig, report_ready) -> None:
         msg = inbox.recv()
         if isinstance(msg, BatchTokenOut):
             outbox.send(detok.process(msg))
-        else:  # stats on their way to the tokenizer: add this process's request table
-            msg.stats["num_detokenizer_streams"] = len(detok.streams)
+        else:  # answers to the tokenizer's queries; stats gain this process's request table
+            if isinstance(msg, StatsResp):
+                msg.stats["num_detokenizer_streams"] = len(detok.streams)
             outbox.send(msg)
 
 

@@ -77,7 +77,13 @@ class StatsReq(msgspec.Struct, tag=True):
     query_id: str
 
 
-ToScheduler = GenerateReq | GenerateReqs | AbortReq | StatsReq
+class FlushCacheReq(msgspec.Struct, tag=True):
+    """Empty the prefix cache (every data-parallel rank answers, through the detokenizer)."""
+
+    query_id: str
+
+
+ToScheduler = GenerateReq | GenerateReqs | AbortReq | StatsReq | FlushCacheReq
 
 
 class LoadReport(msgspec.Struct, tag=True):
@@ -91,7 +97,7 @@ class LoadReport(msgspec.Struct, tag=True):
     finished: list[str] = []  # ids of the requests finished since the last report
 
 
-ToController = GenerateReq | GenerateReqs | AbortReq | StatsReq | LoadReport
+ToController = GenerateReq | GenerateReqs | AbortReq | StatsReq | FlushCacheReq | LoadReport
 
 
 # ---- scheduler -> worker ----------------------------------------------------------------
@@ -111,9 +117,8 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     sample_rows: list[int]  # rows whose last position is sampled (prompt complete)
     sampling: list[SamplingParams]  # one per sample row
     output_lens: list[int]  # tokens each sampled request has generated so far (seeded noise)
-    # (src req slot, dst req slot, n): after this step's KV writes, dst's first n tokens are src's
-    # (a request that shares another's prefill; its sample entry points at src's row).
-    forks: list[tuple[int, int, int]] = []
+    # Requests whose first rows start after a prefix cache hit: where their cached prefix lies.
+    prefix_tables: list["PrefixTable"] = []
     # Some request in the batch (or parked behind one, to share its prefill) has penalties that
     # read its token history: the worker records the rows' tokens. Off, it skips that work.
     track_tokens: bool = True
@@ -123,6 +128,16 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     future_slots: list[int] = []
     # tensor parallelism under overlap: rank 0 shares the sampled ids so every rank's map has them
     share_samples: bool = False
+
+
+class PrefixTable(msgspec.Struct, array_like=True):
+    """A request's KV slots for its first len(slots) tokens (a prefix cache hit), written into
+    the worker's req_to_token row before the step; with the prefix's token ids (int32) when the
+    request's penalties read its token history (its counts and prompt mask start from them)."""
+
+    req_pool_idx: int
+    slots: bytes  # int32
+    token_ids: bytes = b""  # int32
 
 
 def future_capacity(max_running_requests: int) -> int:
@@ -208,8 +223,13 @@ class StatsResp(msgspec.Struct, tag=True):
     stats: dict[str, int | float | str]
 
 
-ToDetokenizer = BatchTokenOut | StatsResp
-ToTokenizer = BatchTextOut | StatsResp
+class FlushCacheResp(msgspec.Struct, tag=True):
+    query_id: str
+    refused: str = ""  # why the cache was not flushed ("" when it was)
+
+
+ToDetokenizer = BatchTokenOut | StatsResp | FlushCacheResp
+ToTokenizer = BatchTextOut | StatsResp | FlushCacheResp
 
 
 # ---- children -> launcher ---------------------------------------------------------------

@@ -6,10 +6,15 @@ token, continues a chunked prompt, and admits waiting requests while the step's 
 the request slots and the KV pool allow (continuous batching, decodes and prefills in one
 packed forward).
 
-Requests of one prefill group with identical prompts (the n choices of an OpenAI request) share
-one prefill: the first is the group's leader and computes the prompt; the others wait parked on
-it, and when its last prompt chunk is scheduled they fork from it (its KV slots, shared by
-reference count, and its logits row for their first token).
+Prefix cache (radix_cache.py, on unless disabled): a request's prompt (and, after a retraction,
+its output so far) is matched against the tree when it is admitted; it takes the cached slots
+(locking their node) and computes only the rest, at least its last token. Its computed tokens go
+into the tree as they are scheduled (a prompt chunk is reusable from the step that computes it:
+the worker stores every row's K/V before any row attends) and when it ends; the tree keeps the
+first copy of a shared part, the request's duplicates are freed when it ends. Unlocked slots are
+evicted, least recently used first, when the pool needs room. Waiting requests that share a
+prompt not cached yet with one being computed (its prefill group, the n choices of one prompt,
+or --in-batch-prefix-threshold tokens) wait a step so they hit the cache instead.
 
 Placeholders: every row that samples appends a placeholder to its request's output_ids when the
 step is planned, -k - 1 for the worker's future-map entry k, and on_result puts the sampled token
@@ -32,6 +37,7 @@ from ipc.messages import FinishReason, future_capacity
 from scheduler_proc.kv_allocator import ReqSlotAllocator, TokenSlotAllocator
 from scheduler_proc.policies import QUEUE_POLICIES, QueuePolicy, apply_priority
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES, PrefillAdder
+from scheduler_proc.radix_cache import RadixCache, common_prefix
 from scheduler_proc.req import Req, ReqState
 from scheduler_proc.schedule_batch import BatchRow, ScheduleBatch
 
@@ -58,6 +64,9 @@ class SchedulerConfig:
     waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
     running_timeout: float | None = None  # seconds a request may run before it is aborted
     seed: int = 0
+    enable_radix_cache: bool = True
+    page_size: int = 1  # prefix cache matches and inserts whole pages of this many tokens
+    in_batch_prefix_threshold: int = 32  # shared uncached prompt tokens that hold a waiting request a step
     # Reservation for the outputs of running requests: ratio x remaining max_new_tokens.
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
@@ -80,6 +89,7 @@ class SchedulerCore:
         self.config = config
         self.token_pool = TokenSlotAllocator(config.max_total_tokens)
         self.req_pool = ReqSlotAllocator(config.max_running_requests)
+        self.cache = RadixCache(config.page_size) if config.enable_radix_cache else None
         self.queue_policy: QueuePolicy = QUEUE_POLICIES.make(config.schedule_policy, config.seed)
         self.admission = ADMISSION_POLICIES.make(config.prefill_admission_policy, config.admission_lookahead,
                                                config.force_fifo_every)
@@ -93,10 +103,9 @@ class SchedulerCore:
         self.last_batch_was_prefill = False
         self.now: float | None = None  # the clock value the caller passed to next_batch
         self._eos = frozenset(config.eos_token_ids)
-        # prefill group -> its leader, until the leader forks (or ends and hands over)
-        self.group_leaders: dict[str, Req] = {}
-        self.num_prompt_tokens = 0  # prompt tokens of every request admitted or forked, once each
-        self.num_cached_prompt_tokens = 0  # of those, the ones forked instead of computed
+        self.num_prompt_tokens = 0  # prompt tokens of every request admitted, once each
+        self.num_cached_prompt_tokens = 0  # of those, the ones taken from the prefix cache
+        self._matches: dict[int, tuple[np.ndarray, object]] = {}  # id(req) -> its cache match, this step
         self.future_capacity = future_capacity(config.max_running_requests)
         self.next_future = 0
         self.retracted_last_step = False  # the last planned step retracted a request
@@ -115,21 +124,12 @@ class SchedulerCore:
                 f"{min(limit, self.config.max_total_tokens) - 1}",
             )
         req.state = ReqState.WAITING
-        if req.prefill_group is not None:
-            leader = self.group_leaders.get(req.prefill_group)
-            if leader is None:
-                self.group_leaders[req.prefill_group] = req
-            elif leader.input_ids == req.input_ids:
-                leader.followers.append(req)  # parked until the leader's prompt is computed
-                return None
         self.waiting.append(req)
         return None
 
     def abort(self, rid: str, message: str = "aborted") -> list[ReqOutput]:
         """Abort one request by id ("" aborts all), from any state, freeing what it holds."""
-        # Parked followers first, so an aborted leader hands its group only to followers that stay.
-        outputs = [self._finish(req, FinishReason("abort", message=message))
-                   for req in self._unpark(lambda r: rid == "" or r.rid == rid)]
+        outputs = []
         for req in [*self.waiting, *self.running]:
             if rid == "" or req.rid == rid:
                 if req.state is ReqState.WAITING:
@@ -231,7 +231,7 @@ class SchedulerCore:
             # (a request whose last token is still in flight needs no more once that one is its
             # last: the normal loop never has such a request running)
             decoding = [r for r in self.running if r.num_pending == 1 and not self._last_token_planned(r)]
-            if self.token_pool.num_free >= len(decoding):
+            if self._make_room(len(decoding)):
                 break
             if len(self.running) == 1:
                 ended.append(self._finish(self.running[0], FinishReason(
@@ -245,28 +245,55 @@ class SchedulerCore:
 
     def _schedule_prefills(self, batch: ScheduleBatch, input_budget: int) -> None:
         cfg = self.config
+        self._matches.clear()
+        available = self._available()
         adder = PrefillAdder(
-            rem_total=self.token_pool.num_free - self._reserved_tokens(),
+            rem_total=available - self._reserved_tokens(),
             rem_input=input_budget,
             chunk_size=cfg.chunked_prefill_size,
-            pool_free=self.token_pool.num_free,
+            pool_free=available,
             nothing_running=not self.running,
         )
-        # A request whose prompt was chunked last step resumes first. (A copy: a leader's last
-        # chunk forks its followers into self.running.)
+        # A request whose prompt was chunked last step resumes first.
         for req in list(self.running):
             if req.num_pending > 1:
                 n = min(req.num_pending, adder.rem_input, cfg.chunked_prefill_size or req.num_pending,
-                        self.token_pool.num_free)
+                        self._available())
                 if n > 0:
                     adder.add_resumed_chunk(n, req.num_pending)
                     self._extend(batch, req, n)
-        self.queue_policy.order(self.waiting, self.running)
+        self.queue_policy.order(self.waiting, self.running, self._match if self.cache is not None else None)
         if cfg.enable_priority_scheduling:
             apply_priority(self.waiting)
+        computing = [r for r in self.running if r.num_pending > 1] if self.cache is not None else []
+        candidates = deque(r for r in self.waiting if not (computing and self._held(r, computing)))
 
-        def admit(req: Req, n: int) -> None:
+        def admit(req: Req, n: int) -> bool:
+            """Takes the request's cached prefix (re-checking the budget: those slots no longer
+            count as evictable), then computes n tokens of the rest; False: it does not fit."""
+            if self.cache is not None:
+                cached, node = self._match(req)
+                before = self.cache.evictable_size
+                self.cache.lock(node)
+                freed_from_budget = before - self.cache.evictable_size
+                adder.rem_total -= freed_from_budget
+                adder.pool_free -= freed_from_budget
+                req.cache_node = node
+                req.append_kv(cached)
+                n = adder.fits(req.num_pending, self._expected_output(req))
+                if n == 0:
+                    req.clear_kv()
+                    self.cache.unlock(node)
+                    req.cache_node = None
+                    adder.rem_total += freed_from_budget
+                    adder.pool_free += freed_from_budget
+                    return False
+                req.prefix_table_due = len(cached) > 0
+                if req.retractions == 0:
+                    req.cached_tokens = len(cached)
+                    self.num_cached_prompt_tokens += len(cached)
             self.waiting.remove(req)
+            candidates.remove(req)
             adder.add(n, req.num_pending, self._expected_output(req))
             req.req_pool_idx = self.req_pool.alloc()
             req.state = ReqState.RUNNING
@@ -276,16 +303,41 @@ class SchedulerCore:
                 self.num_prompt_tokens += len(req.input_ids)
             self.running.append(req)
             self._extend(batch, req, n)
+            return True
 
-        self.admission.admit(self.waiting, adder, self._expected_output, admit,
-                             lambda: self.req_pool.num_free > 0)
+        self.admission.admit(candidates, adder, self._expected_output, admit,
+                             lambda: self.req_pool.num_free > 0, self._pending)
+
+    def _pending(self, req: Req) -> int:
+        """Tokens the request would compute if admitted now: its pending ones less its cached prefix."""
+        return req.num_pending - len(self._match(req)[0]) if self.cache is not None and req.num_computed == 0 \
+            else req.num_pending
+
+    def _match(self, req: Req) -> tuple[np.ndarray, object]:
+        """The request's cached prefix (memoized for this step: inserts and evictions clear it).
+        At least its last token stays to compute: its logits are sampled."""
+        hit = self._matches.get(id(req))
+        if hit is None:
+            tokens = self._resolved(req, req.num_fill - 1)
+            hit = self._matches[id(req)] = self.cache.match_prefix(tokens)
+        return hit
+
+    def _held(self, req: Req, computing: list[Req]) -> bool:
+        """Whether a waiting request waits a step for a prompt being computed that it shares
+        (`computing`: running requests mid-prompt): the same prefill group (the n choices of one
+        prompt), or at least --in-batch-prefix-threshold tokens past its cached prefix; it then
+        hits the cache."""
+        threshold = self.config.in_batch_prefix_threshold
+        for other in computing:
+            if req.prefill_group is not None and other.prefill_group == req.prefill_group:
+                return True
+            if threshold > 0 and common_prefix(other.input_ids, req.input_ids) - len(self._match(req)[0]) >= threshold:
+                return True
+        return False
 
     def _check_timeouts(self, now: float) -> list[ReqOutput]:
         cfg, ended = self.config, []
         if cfg.waiting_timeout is not None:
-            ended += [self._finish(req, FinishReason(
-                "abort", message=f"waited more than {cfg.waiting_timeout:g} s in the queue"))
-                for req in self._unpark(lambda r: now - r.arrival > cfg.waiting_timeout)]
             for req in [r for r in self.waiting if now - r.arrival > cfg.waiting_timeout]:
                 self.waiting.remove(req)
                 ended.append(self._finish(req, FinishReason(
@@ -297,75 +349,49 @@ class SchedulerCore:
         return ended
 
     def _extend(self, batch: ScheduleBatch, req: Req, n: int, slots: np.ndarray | None = None) -> None:
-        """Add `n` tokens of `req` to the batch, on `slots` or freshly allocated ones."""
+        """Add `n` tokens of `req` to the batch, on `slots` or freshly allocated ones. A prompt
+        chunk goes into the prefix cache at once."""
         if slots is None:
+            if not self._make_room(n):
+                raise AssertionError("the caller checked the budget")
             slots = self.token_pool.alloc(n)
-            assert slots is not None, "caller checked the pool"
         prefix = req.num_computed
-        batch.rows.append(BatchRow(req, prefix, n, slots, samples=prefix + n == req.num_fill))
+        row = BatchRow(req, prefix, n, slots, samples=prefix + n == req.num_fill)
+        if req.prefix_table_due:  # its first row: the worker learns where the cached prefix lies
+            row.prefix_table = req.kv_slots.copy()
+            req.prefix_table_due = False
+        batch.rows.append(row)
         req.append_kv(slots)
-        if req.prefill_group is not None and not req.output_ids and req.num_computed == len(req.input_ids):
-            self._fork_followers(batch, req)
+        if self.cache is not None and (n > 1 or prefix < len(req.input_ids)):  # a prompt chunk (or a re-prefill)
+            self._cache_computed(req)
 
-    # ---- shared prefills ---------------------------------------------------------------
+    def _cache_computed(self, req: Req) -> None:
+        """Puts the request's computed tokens into the tree and moves its lock to where they end."""
+        tokens = self._resolved(req, req.num_computed)
+        _, node = self.cache.insert(tokens, req.kv_slots[: len(tokens)])
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+        self._matches.clear()
 
-    def _fork_followers(self, batch: ScheduleBatch, leader: Req) -> None:
-        """The leader's last prompt chunk is in `batch`: each parked follower that gets a request
-        slot shares the leader's prompt KV and samples its first token from the leader's row; the
-        worker copies the leader's req_to_token prefix after this step's KV writes. Followers
-        left without a request slot queue again behind one of them."""
-        if self.group_leaders.get(leader.prefill_group) is leader:
-            del self.group_leaders[leader.prefill_group]  # later arrivals start the group anew
-        followers, leader.followers = leader.followers, []
-        leader_row = len(batch.rows) - 1
-        prompt_len = len(leader.input_ids)
-        for i, f in enumerate(followers):
-            idx = self.req_pool.alloc()
-            if idx is None:
-                self._lead_group(followers[i:])
-                return
-            self.token_pool.share(leader.kv_slots)
-            f.clear_kv()
-            f.append_kv(leader.kv_slots)
-            f.req_pool_idx = idx
-            f.state = ReqState.RUNNING
-            if f.started is None:
-                f.started = self.now
-            f.cached_tokens = prompt_len
-            self.num_prompt_tokens += prompt_len
-            self.num_cached_prompt_tokens += prompt_len
-            self.running.append(f)
-            batch.rows.append(BatchRow(f, prompt_len, 0, np.empty(0, dtype=np.int32), samples=True,
-                                       logits_of=leader_row))
-            batch.forks.append((leader.req_pool_idx, idx, prompt_len))
+    # ---- memory ------------------------------------------------------------------------
 
-    def _lead_group(self, followers: list[Req]) -> None:
-        """Followers without a leader (it ended before its prefill, or no request slot was free
-        at the fork): the first leads the others, from the front of the queue."""
-        if not followers:
-            return
-        head, *rest = followers
-        head.followers = rest
-        self.group_leaders.setdefault(head.prefill_group, head)
-        self.waiting.appendleft(head)
+    def _available(self) -> int:
+        """KV slots free now or freeable by evicting unlocked cached ones."""
+        return self.token_pool.num_free + (self.cache.evictable_size if self.cache is not None else 0)
 
-    def _unpark(self, pred: Callable[[Req], bool]) -> list[Req]:
-        """Remove and return the parked followers that `pred` selects."""
-        taken = []
-        for leader in [*self.waiting, *self.running]:
-            if leader.followers:
-                taken += [f for f in leader.followers if pred(f)]
-                leader.followers = [f for f in leader.followers if not pred(f)]
-        return taken
-
-    def _num_parked(self) -> int:
-        return sum(len(r.followers) for r in (*self.waiting, *self.running))
+    def _make_room(self, n: int) -> bool:
+        """Evicts cached slots until n are free; False if even that cannot."""
+        short = n - self.token_pool.num_free
+        if short > 0 and self.cache is not None and self.cache.evictable_size:
+            self.token_pool.free(self.cache.evict(short))
+            self._matches.clear()
+        return self.token_pool.num_free >= n
 
     def _expected_output(self, req: Req) -> int:
-        """Output tokens to reserve KV for: the request's own and its parked followers' (they
-        fork from it and then grow on their own)."""
-        return sum(int(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
-                   for r in (req, *req.followers))
+        """Output tokens to reserve KV for."""
+        return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
 
     def _reserved_tokens(self) -> int:
         return sum(self._expected_output(r) + max(r.num_pending - 1, 0) for r in self.running)
@@ -381,6 +407,14 @@ class SchedulerCore:
         self.num_retractions += 1
         self.waiting.appendleft(req)
         self.new_token_ratio = self.config.init_new_token_ratio
+
+    @staticmethod
+    def _resolved(req: Req, n: int) -> list[int]:
+        """The request's first n tokens of prompt + output, up to its first placeholder."""
+        tokens = req.fill_slice(0, n)
+        if n > len(req.input_ids) and tokens[-1] < 0:
+            tokens = tokens[: next(i for i, t in enumerate(tokens) if t < 0)]
+        return tokens
 
     # ---- finishing ---------------------------------------------------------------------
 
@@ -412,10 +446,6 @@ class SchedulerCore:
             self._release(req)
         elif req in self.waiting:  # retracted while its last token was in flight
             self.waiting.remove(req)
-        if req.prefill_group is not None and self.group_leaders.get(req.prefill_group) is req:
-            del self.group_leaders[req.prefill_group]
-        followers, req.followers = req.followers, []
-        self._lead_group(followers)  # a leader that ends before it forked hands its group over
         req.state = ReqState.FINISHED
         req.finish = finish
         return ReqOutput(req, self._take_unsent(req), True)
@@ -426,7 +456,23 @@ class SchedulerCore:
         return ReqOutput(req, [], True)
 
     def _release(self, req: Req) -> None:
-        self.token_pool.free(req.kv_slots)
+        """Frees what a running request holds. With the cache, its computed tokens go into the
+        tree first; of its slots, those the tree now holds stay (cached), the rest (copies of
+        tokens the tree had already, tokens past the last whole page, a step planned past its
+        end) go back to the pool."""
+        slots = req.kv_slots
+        if self.cache is not None:
+            tokens = self._resolved(req, req.num_computed)
+            self.cache.insert(tokens, slots[: len(tokens)])
+            kept, _ = self.cache.match_prefix(tokens)
+            mine = slots[: len(kept)]
+            self.token_pool.free(np.concatenate([mine[mine != kept], slots[len(kept):]]))
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+                req.cache_node = None
+            self._matches.clear()
+        else:
+            self.token_pool.free(slots)
         req.clear_kv()
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx = -1
@@ -442,14 +488,30 @@ class SchedulerCore:
         req.sent_ids = end
         return new
 
+    # ---- the prefix cache --------------------------------------------------------------
+
+    def flush_cache(self) -> str | None:
+        """Empties the prefix cache; refused (the reason returned) while requests are queued or run."""
+        if self.cache is None:
+            return "the prefix cache is disabled (--disable-radix-cache)"
+        if self.running or self.waiting:
+            return f"{len(self.running)} requests running and {len(self.waiting)} waiting: flush when idle"
+        self.token_pool.free(self.cache.reset())
+        self._matches.clear()
+        return None
+
     # ---- introspection -----------------------------------------------------------------
 
     def stats(self) -> dict[str, int | float]:
+        cache = self.cache
         return {
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting) + self._num_parked(),
+            "num_waiting": len(self.waiting),
             "kv_slots_total": self.token_pool.capacity,
             "kv_slots_free": self.token_pool.num_free,
+            # of the slots in use: cached and evictable, cached and locked by running requests
+            "kv_slots_evictable": cache.evictable_size if cache is not None else 0,
+            "kv_slots_locked": cache.protected_size if cache is not None else 0,
             "req_slots_total": self.req_pool.capacity,
             "req_slots_free": self.req_pool.num_free,
             "new_token_ratio": self.new_token_ratio,
@@ -462,15 +524,18 @@ class SchedulerCore:
         }
 
     def idle_leaks(self) -> list[str]:
-        """When nothing is queued or running, every slot must be free; returns what is not."""
+        """When nothing is queued or running, every slot must be free or held by the prefix
+        cache, unlocked; returns what is not."""
         if self.running or self.waiting:
             return []
         problems = []
-        if self.token_pool.num_free != self.token_pool.capacity:
-            problems.append(f"{self.token_pool.capacity - self.token_pool.num_free} KV slots leaked")
+        cached = self.cache.total_size if self.cache is not None else 0
+        used = self.token_pool.capacity - self.token_pool.num_free
+        if used != cached:
+            problems.append(f"{used - cached} KV slots leaked ({used} in use, {cached} cached)")
+        if self.cache is not None and self.cache.protected_size:
+            problems.append(f"{self.cache.protected_size} cached tokens still locked")
         if self.req_pool.num_free != self.req_pool.capacity:
             problems.append(f"{self.req_pool.capacity - self.req_pool.num_free} request slots leaked")
-        if self.group_leaders:
-            problems.append(f"{len(self.group_leaders)} prefill groups left open")
         self.idle_check_failures += bool(problems)
         return problems

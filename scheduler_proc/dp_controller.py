@@ -11,7 +11,7 @@ import logging
 
 import zmq
 
-from ipc.messages import AbortReq, GenerateReq, GenerateReqs, LoadReport, StatsReq, ToController
+from ipc.messages import AbortReq, FlushCacheReq, GenerateReq, GenerateReqs, LoadReport, StatsReq, ToController
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import Receiver, Sender
 from scheduler_proc.load_balancer import LoadBalancer
@@ -35,7 +35,7 @@ class DPController:
             rank = self.owner.get(msg.rid)
             for sender in self.ranks if rank is None else [self.ranks[rank]]:
                 sender.send(msg)
-        elif isinstance(msg, StatsReq):
+        elif isinstance(msg, (StatsReq, FlushCacheReq)):
             for sender in self.ranks:
                 sender.send(msg)
         elif isinstance(msg, LoadReport):

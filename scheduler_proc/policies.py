@@ -1,11 +1,13 @@
 """Waiting-queue orders (`--schedule-policy`), each a small class picked by name from a registry.
-A policy reorders the waiting queue in place before admission; the head is considered first."""
+A policy reorders the waiting queue in place before admission; the head is considered first.
+`match(req)` gives a request's prefix cache match (cached slots, tree node), or is None without
+the cache: the cache-aware orders then fall back to fcfs."""
 
 from __future__ import annotations
 
 import random
 from collections import deque
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from scheduler_proc.registry import Registry
 
@@ -21,7 +23,7 @@ class QueuePolicy:
     def __init__(self, seed: int = 0):
         self.seed = seed
 
-    def order(self, waiting: deque["Req"], running: Iterable["Req"]) -> None:
+    def order(self, waiting: deque["Req"], running: Iterable["Req"], match: Callable | None = None) -> None:
         """Reorder `waiting` in place."""
 
 
@@ -35,15 +37,61 @@ def _resort(waiting: deque["Req"], key) -> None:
 class FirstComeFirstServed(QueuePolicy):
     """Arrival order. A retracted request keeps its arrival time, so it goes back to the front."""
 
-    def order(self, waiting, running):
+    def order(self, waiting, running, match=None):
         _resort(waiting, lambda r: r.arrival)
+
+
+@QUEUE_POLICIES.register("lpm")
+class LongestPrefixMatch(QueuePolicy):
+    """Longest cached prefix first (most of the prompt already computed), arrival order among
+    equals. Matching costs a tree walk per waiting request each step: above LPM_MAX_WAITING
+    requests the queue goes fcfs instead."""
+
+    LPM_MAX_WAITING = 256
+
+    def order(self, waiting, running, match=None):
+        if match is None or len(waiting) > self.LPM_MAX_WAITING:
+            _resort(waiting, lambda r: r.arrival)
+            return
+        _resort(waiting, lambda r: (-len(match(r)[0]), r.arrival))
+
+
+@QUEUE_POLICIES.register("dfs-weight")
+class DfsWeight(QueuePolicy):
+    """SGLang's dfs-weight: walk the prefix tree depth first, heaviest subtree (most waiting
+    requests under it) first, emitting each node's waiting requests in arrival order, so
+    requests sharing a prefix run together while it is cached."""
+
+    def order(self, waiting, running, match=None):
+        if match is None:
+            _resort(waiting, lambda r: r.arrival)
+            return
+        at_node: dict[int, list] = {}
+        weight: dict[int, int] = {}
+        nodes: dict[int, object] = {}
+        for req in sorted(waiting, key=lambda r: r.arrival):
+            node = match(req)[1]
+            at_node.setdefault(id(node), []).append(req)
+            while node is not None:  # every ancestor carries the request's weight
+                weight[id(node)] = weight.get(id(node), 0) + 1
+                nodes[id(node)] = node
+                node = node.parent
+        root = next(n for n in nodes.values() if n.parent is None)
+        ordered, stack = [], [root]
+        while stack:
+            node = stack.pop()
+            ordered += at_node.get(id(node), [])
+            children = [c for c in node.children.values() if id(c) in weight]
+            stack += sorted(children, key=lambda c: weight[id(c)])  # the heaviest pops first
+        waiting.clear()
+        waiting.extend(ordered)
 
 
 @QUEUE_POLICIES.register("lof")
 class LongestOutputFirst(QueuePolicy):
     """Largest max_new_tokens first; arrival order among equals."""
 
-    def order(self, waiting, running):
+    def order(self, waiting, running, match=None):
         _resort(waiting, lambda r: (-r.sampling.max_new_tokens, r.arrival))
 
 
@@ -55,7 +103,7 @@ class RandomOrder(QueuePolicy):
         super().__init__(seed)
         self.rng = random.Random(seed)
 
-    def order(self, waiting, running):
+    def order(self, waiting, running, match=None):
         items = list(waiting)
         self.rng.shuffle(items)
         waiting.clear()
@@ -68,7 +116,7 @@ class RoutingKeyGroups(QueuePolicy):
     first (their requests share context and cache), then groups by their earliest arrival;
     arrival order within a group. Requests without a key form singleton groups."""
 
-    def order(self, waiting, running):
+    def order(self, waiting, running, match=None):
         running_keys = {r.routing_key for r in running if r.routing_key is not None}
         first_arrival: dict[str, float] = {}
         for r in waiting:

@@ -68,8 +68,9 @@ class PrefillAdder:
 
 # ---- admission policies (`--prefill-admission-policy`) --------------------------------------
 
-Admit = Callable[["Req", int], None]  # (request, tokens to compute this step)
+Admit = Callable[["Req", int], bool]  # (request, tokens to compute this step) -> admitted
 Reserve = Callable[["Req"], int]  # expected output tokens of a request
+Pending = Callable[["Req"], int]  # tokens a request would compute if admitted now (less its cached prefix)
 
 
 class AdmissionPolicy:
@@ -80,18 +81,17 @@ class AdmissionPolicy:
         self.force_fifo_every = force_fifo_every
 
     def admit(self, waiting: deque["Req"], adder: PrefillAdder, reserve: Reserve, admit: Admit,
-              can_admit: Callable[[], bool]) -> None:
+              can_admit: Callable[[], bool], pending: Pending) -> None:
         raise NotImplementedError
 
     @staticmethod
-    def admit_in_order(waiting, adder, reserve, admit, can_admit) -> None:
+    def admit_in_order(waiting, adder, reserve, admit, can_admit, pending) -> None:
         """FIFO: admit from the head while it fits; the first that does not ends the step."""
         while waiting and can_admit():
             req = waiting[0]
-            n = adder.fits(req.num_pending, reserve(req))
-            if n == 0:
+            n = adder.fits(pending(req), reserve(req))
+            if n == 0 or not admit(req, n):
                 return
-            admit(req, n)
 
 
 ADMISSION_POLICIES = Registry("admission policy")  # --prefill-admission-policy
@@ -99,8 +99,8 @@ ADMISSION_POLICIES = Registry("admission policy")  # --prefill-admission-policy
 
 @ADMISSION_POLICIES.register("fifo")
 class FifoAdmission(AdmissionPolicy):
-    def admit(self, waiting, adder, reserve, admit, can_admit):
-        self.admit_in_order(waiting, adder, reserve, admit, can_admit)
+    def admit(self, waiting, adder, reserve, admit, can_admit, pending):
+        self.admit_in_order(waiting, adder, reserve, admit, can_admit, pending)
 
 
 @ADMISSION_POLICIES.register("pack")
@@ -115,12 +115,12 @@ class PackAdmission(AdmissionPolicy):
         super().__init__(lookahead, force_fifo_every)
         self.passed_over_head = 0  # admissions since the head was last taken
 
-    def admit(self, waiting, adder, reserve, admit, can_admit):
+    def admit(self, waiting, adder, reserve, admit, can_admit, pending):
         if not waiting or adder.chunked:  # a chunk already ends this step's admissions
             return
         if self.force_fifo_every and self.passed_over_head >= self.force_fifo_every:
             head = waiting[0]
-            self.admit_in_order(waiting, adder, reserve, admit, can_admit)
+            self.admit_in_order(waiting, adder, reserve, admit, can_admit, pending)
             if head not in waiting:
                 self.passed_over_head = 0
             return
@@ -128,23 +128,22 @@ class PackAdmission(AdmissionPolicy):
         order = {id(r): i for i, r in enumerate(window)}
         trial = replace(adder, chunk_size=None)  # whole prompts only
         chosen = []
-        for req in sorted(window, key=lambda r: (r.num_pending, order[id(r)])):
-            n = trial.fits(req.num_pending, reserve(req))
-            if n == req.num_pending and (adder.chunk_size is None or n <= adder.chunk_size):
-                trial.add(n, req.num_pending, reserve(req))
+        for req in sorted(window, key=lambda r: (pending(r), order[id(r)])):
+            n = trial.fits(pending(req), reserve(req))
+            if n == pending(req) and (adder.chunk_size is None or n <= adder.chunk_size):
+                trial.add(n, pending(req), reserve(req))
                 chosen.append(req)
         if not chosen:
-            self.admit_in_order(waiting, adder, reserve, admit, can_admit)
+            self.admit_in_order(waiting, adder, reserve, admit, can_admit, pending)
             self.passed_over_head = 0
             return
         head = waiting[0]
         for req in sorted(chosen, key=lambda r: order[id(r)]):
             if not can_admit():
                 break
-            n = adder.fits(req.num_pending, reserve(req))
-            if n == 0:
+            n = adder.fits(pending(req), reserve(req))
+            if n == 0 or not admit(req, n):
                 break
-            admit(req, n)
             if req is head:
                 self.passed_over_head = 0
             else:

@@ -12,8 +12,9 @@ import msgspec
 import zmq
 
 from detokenizer_proc.decoder import load_decoder
-from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FromWorker, GenerateReq, GenerateReqs, LoadReport,
-                          StatsReq, StatsResp, TokenDelta, ToScheduler, WorkerError, WorkerReady)
+from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FlushCacheReq, FlushCacheResp, FromWorker, GenerateReq,
+                          GenerateReqs, LoadReport, StatsReq, StatsResp, TokenDelta, ToScheduler, WorkerError,
+                          WorkerReady)
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import PeerWatch, Receiver, Sender
 from scheduler_proc.core import ReqOutput, SchedulerConfig, SchedulerCore
@@ -115,6 +116,9 @@ class SchedulerProcess:
                 force_fifo_every=args["force_fifo_every"],
                 waiting_timeout=args["waiting_timeout"],
                 running_timeout=args["running_timeout"],
+                enable_radix_cache=not args["disable_radix_cache"],
+                page_size=args["page_size"],
+                in_batch_prefix_threshold=args["in_batch_prefix_threshold"],
             ),
             stop_checker=StopChecker(decoder),
         )
@@ -137,6 +141,8 @@ class SchedulerProcess:
             stats = {**self.core.stats(), "dp_rank": self.dp_rank, "requests_received": self.received,
                      "overlap_schedule": int(self.overlap), **self.metrics.stats()}
             self.detokenizer.send(StatsResp(msg.query_id, stats))
+        elif isinstance(msg, FlushCacheReq):
+            self.detokenizer.send(FlushCacheResp(msg.query_id, self.core.flush_cache() or ""))
 
     def add_request(self, msg: GenerateReq) -> None:
         self.received += 1

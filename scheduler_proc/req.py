@@ -36,11 +36,12 @@ class Req:
     retractions: int = 0
     sent_ids: int = 0  # output ids already handed to the detokenizer
     output_logprobs: list = field(default_factory=list)  # per output id, when the request asked
-    # Requests of one prefill group with identical prompts share one prefill: the first is the
-    # leader, the others wait parked in its `followers` until its last prompt chunk is scheduled.
+    # Requests of one prefill group (the n choices of a prompt) wait while another of the group
+    # computes the prompt, then take it from the prefix cache.
     prefill_group: str | None = None
-    followers: list["Req"] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens it did not compute (shared from its leader)
+    cached_tokens: int = 0  # prompt tokens it did not compute (taken from the prefix cache)
+    cache_node: object = None  # the prefix cache node it locks (radix_cache.TreeNode)
+    prefix_table_due: bool = False  # its next row tells the worker where its cached prefix lies
 
     def fill_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole list."""

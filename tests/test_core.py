@@ -1,5 +1,5 @@
 """The scheduling core driven directly, with a fake worker that checks its bookkeeping: the fake
-keeps its own KV (slot -> token) and req_to_token mirror from the wire batches (forks included),
+keeps its own KV (slot -> token) and req_to_token mirror from the wire batches (prefix tables included),
 and its "model" returns a token that depends on every token the request's slots hold, so a wrong
 slot, a lost token, a stale mirror or a shared slot reused too early changes the output."""
 
@@ -27,6 +27,8 @@ class FakeWorker:
         assert len(set(loc.tolist())) == len(loc), "a slot handed out twice in one step"
         assert len(b.sample_rows) == len(b.sampling) == len(b.output_lens)
         assert all(e > 0 for e in b.extend_lens), "a worker row computes at least one token"
+        for t in b.prefix_tables:  # a request starting on a cached prefix: where it lies
+            self.req_to_token[t.req_pool_idx] = dict(enumerate(np.frombuffer(t.slots, np.int32).tolist()))
         row_tokens, start = [], 0
         for r, p, e in zip(b.req_pool_indices, b.prefix_lens, b.extend_lens):
             table = self.req_to_token.setdefault(r, {})
@@ -35,11 +37,6 @@ class FakeWorker:
                 self.kv[int(loc[start + j])] = int(ids[start + j])
             start += e
             row_tokens.append([self.kv[table[i]] for i in range(p + e)])
-        for src, dst, n in b.forks:  # after the step's KV writes, as the real worker
-            assert src in b.req_pool_indices, "a fork's source computes its prompt in this step"
-            assert dst not in b.req_pool_indices, "a forked request computes nothing in its fork step"
-            self.req_to_token[dst] = {i: self.req_to_token[src][i] for i in range(n)}
-        # one token per sample entry; forked entries repeat their leader's row
         return [next_token(row_tokens[row]) for row in b.sample_rows]
 
 
@@ -148,7 +145,7 @@ def test_retraction_under_a_small_pool_keeps_outputs_correct():
     for r in reqs:
         assert finishes[r.rid].type == "length"
         assert outputs[r.rid] == reference(r.input_ids, 60)
-    assert core.token_pool.num_free == 300
+    assert drained(core) and core.token_pool.num_free == 300
 
 
 def test_a_request_the_pool_cannot_hold_is_aborted_not_crashed():
@@ -203,14 +200,20 @@ def test_abort_from_any_state_frees_everything(when):
     assert [o.req.rid for o in ended] == [target] and ended[0].req.finish.type == "abort"
     outputs, finishes, _ = run(core, worker)
     assert target not in finishes
-    assert core.token_pool.num_free == core.token_pool.capacity
-    assert core.req_pool.num_free == core.req_pool.capacity
+    assert drained(core)
     core.add_request(req("x", 10, 3))
     core.abort("")
     assert not core.idle_leaks()
 
 
-# ---- shared prefills (the n choices of one prompt) ------------------------------------------
+# ---- the prefix cache: the n choices of one prompt, and requests that share a prefix -----------
+
+def drained(core) -> bool:
+    """Nothing leaked: with every request ended, flushing the cache returns the pool to full."""
+    assert not core.idle_leaks(), core.idle_leaks()
+    assert core.flush_cache() is None
+    return core.token_pool.num_free == core.token_pool.capacity and core.req_pool.num_free == core.req_pool.capacity
+
 
 def choices(group: str, n: int, length: int, max_new: int | list[int], seed: int = 0) -> list[Req]:
     """n requests with one prompt and one prefill group, as the OpenAI route sends n choices."""
@@ -226,74 +229,68 @@ def computed_prompt_tokens(batches, rids) -> int:
                for b in batches for row in b.rows if row.req.rid in rids)
 
 
-def test_n_choices_share_one_prefill_and_free_shared_slots_last():
+def test_n_choices_compute_their_prompt_once():
+    """The first choice computes the prompt, which enters the cache as it is scheduled; the
+    others, admitted in the same step, take all of it but the last token from there."""
     core, worker = make_core(), FakeWorker()
     group = choices("g", 3, 40, [3, 6, 9], seed=1)
     for r in group:
         assert core.add_request(r) is None
-    assert core.stats()["num_waiting"] == 3 and len(core.waiting) == 1  # two parked on the leader
     batch, _ = core.next_batch()
-    leader, *followers = group
-    assert [(row.req.rid, row.prefix_len, row.extend_len, row.logits_of) for row in batch.rows] == \
-        [("g.0", 0, 40, None), ("g.1", 40, 0, 0), ("g.2", 40, 0, 0)]
+    assert [(row.req.rid, row.prefix_len, row.extend_len) for row in batch.rows] == \
+        [("g.0", 0, 40), ("g.1", 39, 1), ("g.2", 39, 1)]
     wire = batch.to_worker_batch()
-    assert wire.extend_lens == [40] and wire.sample_rows == [0, 0, 0]
-    assert wire.forks == [(leader.req_pool_idx, f.req_pool_idx, 40) for f in followers]
-    for f in followers:
-        assert np.array_equal(f.kv_slots, leader.kv_slots) and f.cached_tokens == 40
-    assert core.token_pool.refcounts(leader.kv_slots).tolist() == [3] * 40
-    assert core.token_pool.num_free == core.token_pool.capacity - 40
+    assert [(t.req_pool_idx, np.frombuffer(t.slots, np.int32).tolist()) for t in wire.prefix_tables] == \
+        [(f.req_pool_idx, group[0].kv_slots[:39].tolist()) for f in group[1:]]
+    assert [r.cached_tokens for r in group] == [0, 39, 39]
     core.on_result(batch, worker.forward(wire))
-    prompt_slots = leader.kv_slots.copy()
     outputs, finishes, batches = run(core, worker)
     for r in group:
         assert [*r.output_ids] == reference(r.input_ids, r.sampling.max_new_tokens)
         assert finishes[r.rid].type == "length"
-    assert core.token_pool.num_free == core.token_pool.capacity  # freed once the last choice ended
-    assert computed_prompt_tokens([batch, *batches], {r.rid for r in group}) == 40
+    assert computed_prompt_tokens([batch, *batches], {r.rid for r in group}) == 42
     stats = core.stats()
-    assert stats["num_prompt_tokens"] == 120 and stats["num_cached_prompt_tokens"] == 80
-    assert stats["cache_hit_rate"] == pytest.approx(2 / 3)
-    assert leader.cached_tokens == 0
-    assert core.token_pool.refcounts(prompt_slots).tolist() == [0] * 40
+    assert stats["num_prompt_tokens"] == 120 and stats["num_cached_prompt_tokens"] == 78
+    assert stats["cache_hit_rate"] == pytest.approx(78 / 120)
+    assert drained(core)
 
 
-def test_shared_slots_stay_held_until_the_last_choice_finishes():
+def test_cached_slots_stay_locked_until_the_last_user_ends():
     core, worker = make_core(), FakeWorker()
     group = choices("g", 3, 30, [2, 5, 8], seed=2)
     for r in group:
         core.add_request(r)
-    batch, _ = core.next_batch()
-    core.on_result(batch, worker.forward(batch.to_worker_batch()))
-    prompt_slots = group[0].kv_slots.copy()
-    holders = [int(core.token_pool.refcounts(prompt_slots)[0])]  # after each step
-    while core.running:
+    locked = []
+    while core.running or core.waiting:
         batch, _ = core.next_batch()
         core.on_result(batch, worker.forward(batch.to_worker_batch()))
-        holders.append(int(core.token_pool.refcounts(prompt_slots)[0]))
-    assert holders == [3, 2, 2, 2, 1, 1, 1, 0]  # the choices end after 2, 5 and 8 tokens
-    assert not core.idle_leaks()
+        locked.append(core.stats()["kv_slots_locked"])
+    assert locked[0] >= 29 and locked[-1] == 0  # the shared prompt is locked while any choice runs
+    stats = core.stats()
+    assert stats["kv_slots_evictable"] == core.cache.total_size > 0 and stats["kv_slots_locked"] == 0
+    assert drained(core)
 
 
-def test_followers_arriving_during_a_chunked_prefill_still_fork():
+def test_choices_arriving_during_a_chunked_prefill_wait_for_it_then_hit():
     core, worker = make_core(max_prefill_tokens=64, chunked_prefill_size=64), FakeWorker()
     group = choices("g", 3, 300, 5, seed=3)
     core.add_request(group[0])
-    batch, _ = core.next_batch()  # the leader's first chunk
+    batch, _ = core.next_batch()  # the first chunk
     core.on_result(batch, worker.forward(batch.to_worker_batch()))
     core.add_request(group[1])
     batch, _ = core.next_batch()
+    assert [row.req.rid for row in batch.rows] == ["g.0"]  # g.1 waits: its prompt is being computed
     core.on_result(batch, worker.forward(batch.to_worker_batch()))
     core.add_request(group[2])
     outputs, _, batches = run(core, worker)
     for r in group:
         assert outputs[r.rid] == reference(r.input_ids, 5)
-    assert [r.cached_tokens for r in group] == [0, 300, 300]
-    assert sum(row.extend_len for b in batches for row in b.rows if row.extend_len > 1) == 300 - 128
+    assert [r.cached_tokens for r in group] == [0, 299, 299]
+    assert drained(core)
 
 
 @pytest.mark.parametrize("when", ["waiting", "chunking"])
-def test_followers_complete_when_their_leader_is_aborted_before_the_fork(when):
+def test_choices_complete_when_the_one_computing_their_prompt_is_aborted(when):
     core, worker = make_core(max_prefill_tokens=64, chunked_prefill_size=64), FakeWorker()
     group = choices("g", 4, 200, 6, seed=4)
     for r in group:
@@ -302,33 +299,32 @@ def test_followers_complete_when_their_leader_is_aborted_before_the_fork(when):
         batch, _ = core.next_batch()
         core.on_result(batch, worker.forward(batch.to_worker_batch()))
     ended = core.abort("g.0")
-    assert [o.req.rid for o in ended] == ["g.0"]
-    assert core.stats()["num_waiting"] == 3 and core.group_leaders["g"] is group[1]
+    assert [o.req.rid for o in ended] == ["g.0"] and core.stats()["num_waiting"] == 3
     outputs, finishes, batches = run(core, worker)
     for r in group[1:]:
         assert outputs[r.rid] == reference(r.input_ids, 6) and finishes[r.rid].type == "length"
-    assert [r.cached_tokens for r in group[1:]] == [0, 200, 200]
-    assert computed_prompt_tokens(batches, {r.rid for r in group[1:]}) == 200
+    done_before = 64 if when == "chunking" else 0  # the aborted one's chunk stays cached
+    assert [r.cached_tokens for r in group[1:]] == [done_before, 199, 199]
+    assert computed_prompt_tokens(batches, {r.rid for r in group[1:]}) == 200 - done_before + 2
+    assert drained(core)
 
 
-def test_a_parked_follower_can_be_aborted_alone_or_with_everything():
+def test_a_waiting_choice_can_be_aborted_alone_or_with_everything():
     core, worker = make_core(), FakeWorker()
     group = choices("g", 3, 20, 4, seed=5)
     for r in group:
         core.add_request(r)
     ended = core.abort("g.2")
     assert [o.req.rid for o in ended] == ["g.2"] and ended[0].finished and ended[0].req.finish.type == "abort"
-    assert group[0].followers == [group[1]] and core.stats()["num_waiting"] == 2
     outputs, finishes, _ = run(core, worker)
     assert set(finishes) == {"g.0", "g.1"} and outputs["g.1"] == reference(group[1].input_ids, 4)
-
     for r in choices("h", 3, 20, 4, seed=6):
         core.add_request(r)
     assert sorted(o.req.rid for o in core.abort("")) == ["h.0", "h.1", "h.2"]
-    assert core.stats()["num_waiting"] == 0 and not core.group_leaders and not core.idle_leaks()
+    assert core.stats()["num_waiting"] == 0 and drained(core)
 
 
-def test_followers_without_a_request_slot_queue_behind_a_new_leader():
+def test_choices_without_a_request_slot_hit_the_cache_later():
     core, worker = make_core(max_running_requests=2), FakeWorker()
     group = choices("g", 5, 30, 4, seed=7)
     for r in group:
@@ -336,12 +332,29 @@ def test_followers_without_a_request_slot_queue_behind_a_new_leader():
     outputs, _, batches = run(core, worker)
     for r in group:
         assert outputs[r.rid] == reference(r.input_ids, 4)
-    # slots for two at a time: three prefills (g.0, g.2, g.4), each shared by the next choice
-    assert computed_prompt_tokens(batches, {r.rid for r in group}) == 90
-    assert core.stats()["num_cached_prompt_tokens"] == 60
+    assert computed_prompt_tokens(batches, {r.rid for r in group}) == 30 + 4  # once, then the last token each
+    assert core.stats()["num_cached_prompt_tokens"] == 4 * 29
+    assert drained(core)
 
 
-def test_retraction_with_forked_choices_keeps_greedy_outputs_and_frees_everything():
+def test_requests_sharing_a_long_prefix_wait_for_the_first_to_compute_it():
+    """Not one prompt, not one group: a shared system prompt of 200 tokens, different questions.
+    The first is chunked through the prefix; the others hold (--in-batch-prefix-threshold) and
+    then take the prefix from the cache."""
+    core, worker = make_core(max_prefill_tokens=64, chunked_prefill_size=64), FakeWorker()
+    system = req("s", 200, 1, seed=9).input_ids
+    reqs = [Req(f"q{i}", system + [500 + i] * 10, SamplingParams(max_new_tokens=3), arrival=float(i))
+            for i in range(4)]
+    for r in reqs:
+        core.add_request(r)
+    outputs, _, batches = run(core, worker)
+    for r in reqs:
+        assert outputs[r.rid] == reference(r.input_ids, 3)
+    assert [r.cached_tokens for r in reqs] == [0, 200, 200, 200]
+    assert drained(core)
+
+
+def test_retraction_with_choices_keeps_greedy_outputs_and_frees_everything():
     def workload():
         return [r for g in range(4) for r in choices(f"g{g}", 3, 30, 50, seed=10 + g)]
 
@@ -359,21 +372,60 @@ def test_retraction_with_forked_choices_keeps_greedy_outputs_and_frees_everythin
     assert core.num_retractions > 0
     assert outputs == unpressured
     assert all(f.type == "length" for f in finishes.values()) and len(finishes) == 12
-    assert core.token_pool.num_free == 300 and not core.idle_leaks()
+    assert drained(core)
 
 
-def test_a_waiting_timeout_reaches_parked_followers_and_hands_the_group_over():
+def test_the_cache_evicts_the_least_recently_used_and_outputs_stay_exact():
+    """A pool that holds a few prompts: later requests evict older cached ones; a prompt seen
+    again after its eviction is computed again, a recent one is hit."""
+    core, worker = make_core(max_total_tokens=200), FakeWorker()
+    prompts = [req("p", 60, 1, seed=20 + i).input_ids for i in range(4)]
+
+    def ask(i, rid):
+        r = Req(rid, list(prompts[i]), SamplingParams(max_new_tokens=2))
+        core.add_request(r)
+        outs, _, _ = run(core, worker)
+        assert outs[rid] == reference(prompts[i], 2)
+        return r.cached_tokens
+
+    assert [ask(i, f"a{i}") for i in range(3)] == [0, 0, 0]
+    assert ask(3, "b3") == 0  # needs room: the least recently used (prompt 0) goes
+    assert ask(2, "c2") == 59  # still cached
+    assert ask(0, "c0") == 0  # evicted earlier
+    assert drained(core)
+
+
+def test_without_the_cache_nothing_is_kept():
+    core, worker = make_core(enable_radix_cache=False), FakeWorker()
+    group = choices("g", 3, 40, 3, seed=1)
+    for r in group:
+        core.add_request(r)
+    outputs, _, batches = run(core, worker)
+    assert computed_prompt_tokens(batches, {r.rid for r in group}) == 120
+    assert core.token_pool.num_free == core.token_pool.capacity and core.stats()["cache_hit_rate"] == 0
+
+
+def test_flush_is_refused_while_requests_run():
+    core, worker = make_core(), FakeWorker()
+    core.add_request(req("a", 20, 5))
+    batch, _ = core.next_batch()
+    assert "1 requests running" in core.flush_cache()
+    core.on_result(batch, worker.forward(batch.to_worker_batch()))
+    run(core, worker)
+    assert core.cache.total_size > 0 and drained(core) and core.cache.total_size == 0
+
+
+def test_a_waiting_timeout_reaches_waiting_choices():
     core = make_core(waiting_timeout=5.0, max_running_requests=1)
     worker = FakeWorker()
     core.add_request(req("busy", 10, 40, seed=1))
     batch, _ = core.next_batch(now=0.0)
     core.on_result(batch, worker.forward(batch.to_worker_batch()))
-    leader, follower = choices("g", 2, 10, 3, seed=8)
-    leader.arrival, follower.arrival = 0.0, 4.0
-    core.add_request(leader)
-    core.add_request(follower)
+    first, second = choices("g", 2, 10, 3, seed=8)
+    first.arrival, second.arrival = 0.0, 4.0
+    core.add_request(first)
+    core.add_request(second)
     _, ended = core.next_batch(now=6.0)
-    assert [o.req.rid for o in ended] == ["g.0"]
-    assert core.group_leaders["g"] is follower and follower in core.waiting
+    assert [o.req.rid for o in ended] == ["g.0"] and second in core.waiting
     _, ended = core.next_batch(now=10.0)
-    assert [o.req.rid for o in ended] == ["g.1"] and not core.group_leaders
+    assert [o.req.rid for o in ended] == ["g.1"]

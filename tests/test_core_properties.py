@@ -4,8 +4,6 @@ share one prefill (the n choices of a prompt), some join a group late."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 from hypothesis import HealthCheck, given, settings
@@ -65,11 +63,16 @@ def test_random_workloads_never_leak_and_end_every_request_once(cfg, events):
             assert batch.num_tokens <= capacity
             record(core.on_result(batch, worker.forward(batch.to_worker_batch())))
         used = capacity - core.token_pool.num_free
-        holders = Counter(int(s) for r in core.running for s in r.kv_slots)
-        assert used == len(holders), "slots in use must be exactly those running requests hold"
-        if holders:
-            slots = np.fromiter(holders, dtype=np.int32)
-            assert core.token_pool.refcounts(slots).tolist() == [holders[s] for s in slots.tolist()]
+        cached = core.cache.all_slots().tolist()
+        assert len(cached) == len(set(cached)) == core.cache.total_size
+        held = set(cached) | {int(s) for r in core.running for s in r.kv_slots}
+        assert used == len(held), "slots in use must be exactly those the cache and running requests hold"
+        if held:
+            assert set(core.token_pool.refcounts(np.fromiter(held, dtype=np.int32)).tolist()) == {1}
+        for r in core.running:  # a running request's cached slots are locked
+            locked = r.kv_slots[: r.cached_tokens] if r.retractions == 0 else []
+            assert set(int(s) for s in locked) <= set(cached)
+        core.cache.check()
         assert len(core.running) <= core.req_pool.capacity
 
     def add(prompt: list[int], max_new: int, prio: int, group: str | None) -> None:

@@ -77,8 +77,11 @@ def test_stats_and_metrics_show_every_rank_and_every_slot_is_free_after_the_run(
     assert [r["dp_rank"] for r in stats["dp_ranks"]] == [0, 1]
     for r in stats["dp_ranks"]:
         assert r["num_running"] == 0 and r["num_waiting"] == 0, r
-        assert r["kv_slots_free"] == r["kv_slots_total"] and r["req_slots_free"] == r["req_slots_total"], r
+        assert r["kv_slots_total"] - r["kv_slots_free"] == r["kv_slots_evictable"] and r["kv_slots_locked"] == 0, r
+        assert r["req_slots_free"] == r["req_slots_total"], r
     assert stats["kv_slots_total"] == sum(r["kv_slots_total"] for r in stats["dp_ranks"])
+    assert engine.flush_cache() is None  # every rank's cache
+    assert all(r["kv_slots_free"] == r["kv_slots_total"] for r in engine.get_stats()["dp_ranks"])
     metrics = engine.manager.metrics.render(stats).decode()
     assert 'loom_num_running_reqs{dp_rank="0"}' in metrics and 'loom_num_running_reqs{dp_rank="1"}' in metrics
 

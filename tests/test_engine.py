@@ -13,11 +13,16 @@ GREEDY = {"temperature": 0}
 
 
 def assert_no_leak(engine) -> None:
+    """Idle: every KV slot in use is held by the prefix cache, unlocked; flushing it frees them all."""
     stats = engine.get_stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
-    assert stats["kv_slots_free"] == stats["kv_slots_total"], stats
+    assert stats["kv_slots_total"] - stats["kv_slots_free"] == stats["kv_slots_evictable"], stats
+    assert stats["kv_slots_locked"] == 0 and stats["idle_check_failures"] == 0, stats
     assert stats["req_slots_free"] == stats["req_slots_total"], stats
     assert stats["num_tokenizer_requests"] == 0, stats
+    assert engine.flush_cache() is None
+    stats = engine.get_stats()
+    assert stats["kv_slots_free"] == stats["kv_slots_total"], stats
 
 
 @pytest.fixture(scope="module")

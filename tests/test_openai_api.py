@@ -72,33 +72,41 @@ def test_completions_with_n_stop_and_length(client, model):
                                   seed=5)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert len({c.text for c in r.choices}) > 1
-    assert r.usage.prompt_tokens_details.cached_tokens == 0  # the one prefill of the 3 was computed
     echo = client.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Hello")
 
 
-def test_n_choices_share_one_prefill(server, client, model):
-    kw = dict(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
-    single = client.completions.create(**kw)
-    assert single.usage.prompt_tokens_details.cached_tokens == 0
+def _cached_prompt_tokens_total(server) -> float:
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return next(float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("loom_cached_prompt_tokens_total "))
+
+
+def test_n_choices_compute_the_prompt_once_and_a_repeat_hits_the_cache(server, client, model):
+    kw = dict(model=model, prompt="Seen by this test only: the longest river in Africa is", max_tokens=8,
+              temperature=0)
+    before = _cached_prompt_tokens_total(server)
     r = client.completions.create(n=3, **kw)
-    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [single.choices[0].text] * 3
-    assert r.usage.prompt_tokens == single.usage.prompt_tokens
-    # usage counts the prompt once, computed once: nothing of it came from a cache
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[1] == texts[2]
+    # usage counts the prompt once: its first computation took nothing from a cache
     assert r.usage.prompt_tokens_details.cached_tokens == 0
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    n = r.usage.prompt_tokens
+    assert _cached_prompt_tokens_total(server) - before == 2 * (n - 1)  # the other two choices took it
+    again = client.completions.create(**kw)
+    assert again.choices[0].text == texts[0]
+    assert again.usage.prompt_tokens_details.cached_tokens == n - 1  # all but the token it samples from
+    messages = [{"role": "user", "content": "Seen by this test only: what is the capital of Peru?"}]
     chunks = list(client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8, n=3,
                                                  stream=True, stream_options={"include_usage": True}))
     texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == k)
              for k in range(3)]
-    assert texts[0] == texts[1] == texts[2] and texts[0].startswith("The capital of France is")
-    usage = chunks[-1].usage
-    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert texts[0] == texts[1] == texts[2] and texts[0]
+    usage = chunks[-1].usage  # the chat template's system part is cached from earlier chats, the question is not
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens - 8
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     rate = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith('loom_cache_hit_rate{dp_rank="0"} '))
-    cached = next(float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith("loom_cached_prompt_tokens_total "))
-    assert 0 < rate < 1 and cached >= 2 * (usage.prompt_tokens + r.usage.prompt_tokens)
+    assert 0 < rate < 1
 
 
 def test_seed_reproducibility(client, model):

@@ -78,7 +78,7 @@ def test_health_and_server_info(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     info = httpx.get(server.url + "/get_server_info").json()
     assert info["dtype"] == "float32" and info["max_total_tokens"] > 0
-    assert info["stats"]["kv_slots_free"] == info["stats"]["kv_slots_total"]
+    assert info["stats"]["kv_slots_locked"] == 0
     assert info["zmq_endpoint"] == f"tcp://127.0.0.1:{server.zmq_port}"
 
 
@@ -196,8 +196,12 @@ def test_disconnecting_stream_clients_are_aborted_and_nothing_is_left(server):
         time.sleep(0.2)
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["num_tokenizer_requests"] == 0 and stats["num_detokenizer_streams"] == 0
-    assert stats["kv_slots_free"] == stats["kv_slots_total"] and stats["req_slots_free"] == stats["req_slots_total"]
+    assert stats["kv_slots_total"] - stats["kv_slots_free"] == stats["kv_slots_evictable"]  # all cached, none locked
+    assert stats["kv_slots_locked"] == 0 and stats["req_slots_free"] == stats["req_slots_total"]
     assert stats["idle_check_failures"] == 0
+    assert httpx.post(server.url + "/flush_cache").json() == {"flushed": True}
+    stats = httpx.get(server.url + "/get_server_info").json()["stats"]
+    assert stats["kv_slots_free"] == stats["kv_slots_total"]
 
 
 def test_metrics_health_generate_abort_and_flush(server):

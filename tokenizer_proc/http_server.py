@@ -80,8 +80,8 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
 
     @app.post("/flush_cache")
     async def flush_cache():
-        # No prefix cache exists yet, so there is nothing to flush; the route is here for clients.
-        return {"flushed": True, "message": "no prefix cache in this build: nothing to flush"}
+        refused = await manager.flush_cache()
+        return _error(400, f"the prefix cache was not flushed: {refused}") if refused else {"flushed": True}
 
     @app.get("/get_server_info")
     async def get_server_info():

@@ -16,8 +16,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.messages import (AbortReq, BatchTextOut, FinishReason, GenerateReq, GenerateReqs, SamplingParams, StatsReq,
-                          StatsResp, ToTokenizer)
+from ipc.messages import (AbortReq, BatchTextOut, FinishReason, FlushCacheReq, FlushCacheResp, GenerateReq,
+                          GenerateReqs, SamplingParams, StatsReq, StatsResp, ToTokenizer)
 from ipc.sockets import Endpoints
 from tokenizer_proc.metrics import Metrics
 
@@ -131,7 +131,7 @@ class TokenizerManager:
         self.decoder = msgspec.msgpack.Decoder(ToTokenizer)
         self.states: dict[str, ReqState] = {}
         self.metrics = Metrics()
-        self.stats_waiters: dict[str, asyncio.Future] = {}
+        self.query_waiters: dict[str, tuple[asyncio.Future, list]] = {}  # query id -> (done, each rank's answer)
         self.dead: str | None = None  # set when the server is going down: new requests fail fast
         self._unsent: list[GenerateReq] = []  # requests made in this event-loop turn, sent together
         self._recv_task: asyncio.Task | None = None
@@ -253,21 +253,32 @@ class TokenizerManager:
         self._flush_unsent()  # the abort must not overtake the request it aborts
         await self.to_scheduler.send(self.encoder.encode(AbortReq(rid, message)))
 
-    async def get_stats(self, timeout: float = 10.0) -> dict:
-        """The schedulers' counters: summed over the data-parallel ranks, each rank's own under
-        "dp_ranks"."""
+    async def _ask(self, make_query, timeout: float = 10.0) -> list:
+        """Sends a query to every scheduler (the DP controller fans it out) and returns each
+        data-parallel rank's answer."""
         query_id = uuid.uuid4().hex
-        answers: list[dict] = []
+        answers: list = []
         fut = asyncio.get_running_loop().create_future()
-        self.stats_waiters[query_id] = (fut, answers)
+        self.query_waiters[query_id] = (fut, answers)
         try:
-            await self.to_scheduler.send(self.encoder.encode(StatsReq(query_id)))
+            await self.to_scheduler.send(self.encoder.encode(make_query(query_id)))
             await asyncio.wait_for(fut, timeout)
         finally:
-            self.stats_waiters.pop(query_id, None)
+            self.query_waiters.pop(query_id, None)
+        return answers
+
+    async def get_stats(self) -> dict:
+        """The schedulers' counters: summed over the data-parallel ranks, each rank's own under
+        "dp_ranks"."""
+        answers = [dict(a.stats) for a in await self._ask(StatsReq)]
         stats = combine_rank_stats(sorted(answers, key=lambda a: a["dp_rank"]))
         stats["num_tokenizer_requests"] = len(self.states)
         return stats
+
+    async def flush_cache(self) -> str | None:
+        """Empties every rank's prefix cache; the reason if a rank refused (requests running)."""
+        refused = [a.refused for a in await self._ask(FlushCacheReq) if a.refused]
+        return "; ".join(refused) or None
 
     def _result(self, state: ReqState) -> dict:
         now = time.perf_counter()
@@ -300,9 +311,9 @@ class TokenizerManager:
             except msgspec.DecodeError as e:
                 log.error("dropped a malformed frame from the detokenizer: %s", e)
                 continue
-            if isinstance(msg, StatsResp):
-                fut, answers = self.stats_waiters.get(msg.query_id, (None, []))
-                answers.append(dict(msg.stats))
+            if isinstance(msg, (StatsResp, FlushCacheResp)):
+                fut, answers = self.query_waiters.get(msg.query_id, (None, []))
+                answers.append(msg)
                 if fut is not None and not fut.done() and len(answers) == self.dp_size:
                     fut.set_result(None)
                 continue

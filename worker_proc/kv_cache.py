@@ -40,10 +40,9 @@ class KVPool:
             p, e, s = int(prefix_lens[i]), int(extend_lens[i]), int(token_starts[i])
             target[int(req_pool_indices[i]), p : p + e] = wrap(slots[s : s + e])
 
-    def fork(self, forks: list[tuple[int, int, int]]) -> None:
-        """For each (src, dst, n): row dst's first n slots become row src's (shared KV)."""
-        for src, dst, n in forks:
-            self.req_to_token[dst, :n] = self.req_to_token[src, :n]
+    def set_prefix(self, req_pool_idx: int, slots: np.ndarray) -> None:
+        """Row req_pool_idx's first len(slots) positions: a request starting on a cached prefix."""
+        self.req_to_token[req_pool_idx, : len(slots)] = torch.from_numpy(np.array(slots, dtype=np.int32))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -131,12 +131,12 @@ class ModelRunner:
     def _forward(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         fb = ForwardBatch.from_worker_batch(batch)
         self.futures.resolve(fb.input_ids)
+        if batch.prefix_tables:
+            self._apply_prefix_tables(batch, fb)
         self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
         self.attn.prepare(fb)
         if batch.track_tokens:
             self._record_tokens(fb, batch.prompt_lens)
-        if batch.forks:
-            self._apply_forks(batch.forks)
         model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
         if not batch.sampling or model_logits is None:  # (None: a tensor-parallel rank other than 0)
             return [], []
@@ -146,8 +146,6 @@ class ModelRunner:
             return self.argmax(model_logits).tolist(), []
         raw = logits = model_logits.float()
         if not pb.is_noop:
-            # A forked request's entry reads its leader's row; their penalty state is the same
-            # at the fork (same prompt, no output yet).
             slots = fb.req_pool_indices[batch.sample_rows]
             logits = pb.apply(raw, self.output_counts.gather(slots) if pb.needs_counts else None,
                               self.prompt_tokens.gather(slots) if pb.needs_prompt_mask else None)
@@ -161,23 +159,29 @@ class ModelRunner:
                if p.logprobs else None for i, p in enumerate(batch.sampling)]
         return ids.tolist(), out
 
-    def _apply_forks(self, forks: list[tuple[int, int, int]]) -> None:
-        """Each dst shares src's prompt: its req_to_token prefix and prompt-token mask become src's
-        and its output counts start at zero. Runs after _record_tokens, so src's mask already holds
-        this step's last prompt chunk (and a reset of a slot starting over cannot touch dst, which
-        has no row in the batch)."""
-        self.pool.fork(forks)
-        src = [s for s, _, _ in forks]
-        dst = [d for _, d, _ in forks]
-        self.prompt_tokens.copy_rows(src, dst)
-        self.output_counts.reset(dst)
+    def _apply_prefix_tables(self, batch: ModelWorkerBatch, fb: ForwardBatch) -> None:
+        """Requests that start on a cached prefix: their req_to_token rows learn its slots, and
+        (where their penalties read the history) their counts and prompt mask start from its
+        tokens, prompt and output told apart by position as _record_tokens does."""
+        prompt_len = dict(zip(batch.req_pool_indices, batch.prompt_lens))
+        for table in batch.prefix_tables:
+            slots = np.frombuffer(table.slots, dtype=np.int32)
+            self.pool.set_prefix(table.req_pool_idx, slots)
+            if table.token_ids:
+                tokens = torch.from_numpy(np.frombuffer(table.token_ids, dtype=np.int32).astype(np.int64))
+                row = [table.req_pool_idx]
+                self.output_counts.reset(row)
+                self.prompt_tokens.reset(row)
+                n_prompt = prompt_len[table.req_pool_idx]
+                self.prompt_tokens.add(row * min(n_prompt, len(tokens)), tokens[:n_prompt])
+                self.output_counts.add(row * max(len(tokens) - n_prompt, 0), tokens[n_prompt:])
 
     def _record_tokens(self, fb: ForwardBatch, prompt_lens: list[int]) -> None:
         """Keep each slot's prompt-token mask and output-token counts current from the tokens it is
         fed: every output token is fed exactly once (the step after it is sampled, or again in a
         re-prefill after a retraction, which starts the slot over), so counts at sampling time
         cover the whole output so far."""
-        starts = torch.from_numpy(fb.req_pool_indices[fb.prefix_lens == 0])
+        starts = torch.from_numpy(fb.req_pool_indices[fb.prefix_lens == 0])  # (a cache hit starts in _apply_prefix_tables)
         if len(starts):
             self.output_counts.reset(starts)
             self.prompt_tokens.reset(starts)

@@ -41,8 +41,8 @@ Per-request state lives in slot-indexed tables (slot = ``req_pool_indices`` entr
   is fed, ``gather(slots)`` -> ``[B, V]``. The model runner feeds them from each step's input
   tokens (prompt positions to the mask, output positions to the counts), so a re-prefill after a
   retraction rebuilds both; it skips steps where no request reads them
-  (``ModelWorkerBatch.track_tokens``). A request forked from another's prefill computes no prompt tokens:
-  its mask row is copied (``PromptTokenMask.copy_rows``) and its counts reset.
+  (``ModelWorkerBatch.track_tokens``). A request that starts on a cached prefix gets both rebuilt
+  from the prefix's tokens (``ModelWorkerBatch.prefix_tables``).
 
 SamplingParams fields are read with ``getattr(p, name, default)``, so this module works whether
 or not ``ipc.messages.SamplingParams`` already defines ``repetition_penalty``,
@@ -129,12 +129,6 @@ class PromptTokenMask:
 
     def gather(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
         return self.mask.index_select(0, _as_index(slots, self.device))
-
-    def copy_rows(self, src: torch.Tensor | Sequence[int], dst: torch.Tensor | Sequence[int]) -> None:
-        """``mask[dst[i]] = mask[src[i]]`` (a request that shares another's prompt)."""
-        d = _as_index(dst, self.device)
-        if d.numel():
-            self.mask[d] = self.mask.index_select(0, _as_index(src, self.device))
 
 
 # ---- logit processing -------------------------------------------------------------------
