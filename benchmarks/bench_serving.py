@@ -18,6 +18,15 @@ Datasets (prompts are token ids from the server's tokenizer):
                 generating --random-output-len tokens: how much one long prefill delays the short
                 requests queued behind it (TTFT is also broken down by prompt length). The long
                 prompt must fit the model's context.
+  generated-shared-prefix  (SGLang's) --gsp-num-groups groups of --gsp-prompts-per-group
+                requests; a group's requests share a random --gsp-system-prompt-len system prompt
+                and each adds a random --gsp-question-len question, --gsp-output-len outputs; the
+                groups interleaved (shuffled with --seed).
+  multi-turn    a chat replay: --num-prompts conversations of --mt-turns turns, each turn a
+                random --mt-user-len user message after the whole conversation so far (every
+                earlier turn and the server's own replies, as token ids), --mt-output-len replies;
+                a conversation's turns go one after another, the conversations at once (or
+                --max-concurrency at a time). TTFT is also reported per turn. Backend loom only.
 
 Arrivals: all at once (--request-rate inf, the default) or Poisson with that mean rate (seeded);
 --max-concurrency caps the requests in flight.
@@ -69,7 +78,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (Request, cpu_info, default_result_path, fixed_length_requests,  # noqa: E402
-                               format_table, random_requests, write_json)
+                               format_table, random_requests, regular_token_ids, write_json)
 from benchmarks.probes import PROBE_DTYPES, describe_machine, header_lines, probe_machine  # noqa: E402
 
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600, sock_connect=30)
@@ -98,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="openai: send each prompt as its decoded text, for servers that take no token ids "
                         "(e.g. llama-cpp-python's); the server's count of prompt tokens may then differ a little")
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset", default="random", choices=["random", "sharegpt", "head-of-line"],
+    d.add_argument("--dataset", default="random",
+                   choices=["random", "sharegpt", "head-of-line", "generated-shared-prefix", "multi-turn"],
                    help="(default: %(default)s)")
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
     d.add_argument("--num-prompts", type=int, default=128, help="requests (default: %(default)s)")
@@ -118,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     d.add_argument("--hol-short-len", type=int, default=1,
                    help="head-of-line: the short prompt's length, tokens (default: %(default)s)")
+    d.add_argument("--gsp-num-groups", type=int, default=8, help="generated-shared-prefix (default: %(default)s)")
+    d.add_argument("--gsp-prompts-per-group", type=int, default=8, help="(default: %(default)s)")
+    d.add_argument("--gsp-system-prompt-len", type=int, default=1000, help="tokens (default: %(default)s)")
+    d.add_argument("--gsp-question-len", type=int, default=32, help="tokens (default: %(default)s)")
+    d.add_argument("--gsp-output-len", type=int, default=64, help="tokens (default: %(default)s)")
+    d.add_argument("--mt-turns", type=int, default=4, help="multi-turn: turns per conversation (default: %(default)s)")
+    d.add_argument("--mt-user-len", type=int, default=64, help="tokens per user message (default: %(default)s)")
+    d.add_argument("--mt-output-len", type=int, default=64, help="tokens per reply (default: %(default)s)")
     d.add_argument("--seed", type=int, default=1, help="seed for prompts, lengths and arrivals (default: %(default)s)")
     t = p.add_argument_group("traffic")
     t.add_argument("--request-rate", type=float, default=float("inf"),
@@ -249,8 +267,46 @@ def sharegpt_requests(tokenizer: Any, path: str, num_prompts: int, seed: int, fi
     return requests
 
 
+def shared_prefix_requests(tokenizer: Any, groups: int, per_group: int, system_len: int, question_len: int,
+                           output_len: int, seed: int) -> list[Request]:
+    """SGLang's generated-shared-prefix workload: per group one random system prompt, per request
+    one random question after it; the groups interleaved (a seeded shuffle)."""
+    rng = np.random.default_rng(seed)
+    vocab = regular_token_ids(tokenizer)
+    systems = [rng.choice(vocab, size=system_len).tolist() for _ in range(groups)]
+    requests = [Request(systems[g] + rng.choice(vocab, size=question_len).tolist(), output_len)
+                for g in range(groups) for _ in range(per_group)]
+    order = rng.permutation(len(requests))
+    return [requests[i] for i in order]
+
+
+@dataclass
+class Conversation:
+    """A multi-turn replay: the user messages (token ids); each turn's prompt is the whole
+    conversation so far, the server's replies included."""
+
+    user_turns: list[list[int]]
+    output_len: int
+
+
+def multi_turn_conversations(tokenizer: Any, num: int, turns: int, user_len: int, output_len: int,
+                             seed: int) -> list[Conversation]:
+    rng = np.random.default_rng(seed)
+    vocab = regular_token_ids(tokenizer)
+    return [Conversation([rng.choice(vocab, size=user_len).tolist() for _ in range(turns)], output_len)
+            for _ in range(num)]
+
+
 def build_requests(args: argparse.Namespace, tokenizer: Any, context_len: int | None) -> list[Request]:
+    """The workload's requests (for multi-turn: every conversation's first turn)."""
     n = args.num_prompts
+    if args.dataset == "generated-shared-prefix":
+        return shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
+                                      args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
+                                      args.seed)
+    if args.dataset == "multi-turn":
+        return [Request(c.user_turns[0], c.output_len) for c in multi_turn_conversations(
+            tokenizer, n, args.mt_turns, args.mt_user_len, args.mt_output_len, args.seed)]
     if args.dataset == "random":
         def span(length: int) -> tuple[int, int]:
             return max(1, int(length * args.random_range_ratio)), length
@@ -278,6 +334,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between tokens
     start: float = 0.0  # when it was sent, seconds after the benchmark started
     error: str | None = None
+    turn: int | None = None  # multi-turn: which turn of its conversation
+    output_ids: list[int] = field(default_factory=list)  # loom backend: the reply's token ids
 
 
 async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, str]]:
@@ -343,6 +401,7 @@ async def request_loom(session: aiohttp.ClientSession, url: str, req: Request, e
                 result.error = _error_text(out)
                 return
             meta = out.get("meta_info") or {}
+            result.output_ids = out.get("output_ids") or result.output_ids
             timing.observe(now, len(out.get("output_ids") or []) or int(meta.get("completion_tokens") or 0))
             finish = meta.get("finish_reason") or finish
     result.latency = time.perf_counter() - sent
@@ -459,6 +518,45 @@ async def run_requests(call: RequestFn, requests: list[Request], args: argparse.
     if bar is not None:
         bar.close()
     return results, duration
+
+
+async def run_conversations(call: RequestFn, conversations: list[Conversation], args: argparse.Namespace,
+                            ) -> tuple[list[RequestResult], float]:
+    """The multi-turn replay: each conversation's turns in order, every prompt the conversation so
+    far (its earlier prompts and the replies the server gave)."""
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    results: list[RequestResult] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=HTTP_TIMEOUT) as session:
+        start = time.perf_counter()
+
+        async def converse(conv: Conversation) -> None:
+            if semaphore is not None:
+                await semaphore.acquire()
+            try:
+                history: list[int] = []
+                for turn, user in enumerate(conv.user_turns):
+                    req = Request(history + user, conv.output_len)
+                    result = RequestResult(req.input_len, req.output_len, turn=turn)
+                    results.append(result)
+                    result.start = time.perf_counter() - start
+                    await call(session, req, result)
+                    if not result.success:
+                        return
+                    history = req.input_ids + result.output_ids
+            finally:
+                if semaphore is not None:
+                    semaphore.release()
+
+        await asyncio.gather(*(converse(c) for c in conversations))
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+def ttft_by_turn(results: list[RequestResult]) -> list[dict[str, Any]]:
+    turns = sorted({r.turn for r in results if r.turn is not None})
+    return [{"turn": t, "completed": sum(r.turn == t and r.success for r in results),
+             "ttft_ms": stats_ms([r.ttft for r in results if r.turn == t and r.ttft is not None])} for t in turns]
 
 
 async def warm_up(call: RequestFn, requests: list[Request], count: int) -> None:
@@ -643,7 +741,14 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
 
     call = make_request_fn(args, url, model)
     await warm_up(call, requests, args.warmup_requests)
-    results, duration = await run_requests(call, requests, args)
+    if args.dataset == "multi-turn":
+        if args.backend != "loom":
+            raise SystemExit("--dataset multi-turn replays token ids: use --backend loom")
+        conversations = multi_turn_conversations(tokenizer, args.num_prompts, args.mt_turns, args.mt_user_len,
+                                                 args.mt_output_len, args.seed)
+        results, duration = await run_conversations(call, conversations, args)
+    else:
+        results, duration = await run_requests(call, requests, args)
 
     metrics = compute_metrics(results, duration)
     result: dict[str, Any] = {
@@ -660,6 +765,7 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
         "max_concurrency": args.max_concurrency,
         **metrics,
         "by_input_len": by_input_len(results),
+        "ttft_by_turn": ttft_by_turn(results),
         "cpu": cpu,
         "machine": machine,
         "client": {"python": sys.version.split()[0], "aiohttp": aiohttp.__version__, "torch": _version("torch")},
@@ -684,6 +790,9 @@ async def async_run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> d
     if args.dataset == "head-of-line":
         print("by prompt length:")
         print(format_by_input_len(result["by_input_len"]))
+    if result["ttft_by_turn"]:
+        print("TTFT by turn: " + ", ".join(f"turn {t['turn'] + 1} p50 {_fmt(t['ttft_ms']['median'])} ms"
+                                           for t in result["ttft_by_turn"]))
     errors = [r.error for r in results if r.error]
     if errors:
         print(f"WARNING: {len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)

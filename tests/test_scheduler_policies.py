@@ -193,3 +193,57 @@ def test_waiting_and_running_timeouts_fire():
     ended = {o.req.rid: o.req.finish for o in out if o.finished}
     assert ended["runner"].type == "abort" and "ran more than 10" in ended["runner"].message
     assert not core.idle_leaks()
+
+
+# ---- cache-aware orders ------------------------------------------------------------------------
+
+def _cached_core(policy: str):
+    from test_core import FakeWorker, make_core
+    from scheduler_proc.req import Req
+    from ipc.messages import SamplingParams
+
+    core, worker = make_core(schedule_policy=policy, max_running_requests=1), FakeWorker()
+    prefixes = {name: [ord(c) + 10 * i for i in range(1, 41)] for c, name in zip("abc", ("a", "b", "c"))}
+    for name, prefix in prefixes.items():  # cache every prefix
+        core.add_request(Req(f"warm-{name}", prefix + [7], SamplingParams(max_new_tokens=1)))
+        while core.waiting or core.running:
+            batch, _ = core.next_batch()
+            core.on_result(batch, worker.forward(batch.to_worker_batch()))
+    return core, worker, prefixes, Req, SamplingParams
+
+
+def test_lpm_puts_the_longest_cached_prefix_first():
+    core, _, prefixes, Req, SamplingParams = _cached_core("lpm")
+    sp = SamplingParams(max_new_tokens=1)
+    reqs = [Req("none", [999] * 30, sp, arrival=0.0), Req("short", prefixes["a"][:10] + [1] * 20, sp, arrival=1.0),
+            Req("long", prefixes["b"] + [2] * 5, sp, arrival=2.0)]
+    for r in reqs:
+        core.add_request(r)
+    core.queue_policy.order(core.waiting, core.running, core._match)
+    assert [r.rid for r in core.waiting] == ["long", "short", "none"]
+    core.queue_policy.LPM_MAX_WAITING = 2  # past the limit: arrival order
+    core.queue_policy.order(core.waiting, core.running, core._match)
+    assert [r.rid for r in core.waiting] == ["none", "short", "long"]
+
+
+def test_dfs_weight_runs_the_heaviest_prefix_group_first_and_keeps_groups_together():
+    core, _, prefixes, Req, SamplingParams = _cached_core("dfs-weight")
+    sp = SamplingParams(max_new_tokens=1)
+    arrivals = [("a", 0), ("b", 1), ("a", 2), ("c", 3), ("b", 4), ("a", 5)]
+    for i, (name, t) in enumerate(arrivals):
+        core.add_request(Req(f"{name}{i}", prefixes[name] + [100 + i] * 3, sp, arrival=float(t)))
+    core.queue_policy.order(core.waiting, core.running, core._match)
+    assert [r.rid for r in core.waiting] == ["a0", "a2", "a5", "b1", "b4", "c3"]
+
+
+def test_cache_aware_orders_fall_back_to_arrival_without_the_cache():
+    from test_core import make_core
+    from scheduler_proc.req import Req
+    from ipc.messages import SamplingParams
+
+    for policy in ("lpm", "dfs-weight"):
+        core = make_core(schedule_policy=policy, enable_radix_cache=False)
+        for i in (2, 0, 1):
+            core.add_request(Req(f"r{i}", [5, 6, 7], SamplingParams(max_new_tokens=1), arrival=float(i)))
+        core.queue_policy.order(core.waiting, core.running, None)
+        assert [r.rid for r in core.waiting] == ["r0", "r1", "r2"]
