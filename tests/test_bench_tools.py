@@ -137,3 +137,19 @@ def test_parallel_benchmark_reports_each_configuration_and_its_collectives(defau
     assert single["ranks"][0]["collective_ms_per_step"] == 0  # no collectives without tensor parallelism
     assert 0 < tp3["ranks"][0]["collective_ms_per_step"] < tp3["ranks"][0]["forward_ms_per_step"]
     assert "collective ms/step" in capsys.readouterr().out and (tmp_path / "p.json").exists()
+
+
+def test_shared_prefix_and_multi_turn_datasets(smollm2_tokenizer):
+    from benchmarks.bench_serving import multi_turn_conversations, shared_prefix_requests, ttft_by_turn, RequestResult
+
+    reqs = shared_prefix_requests(smollm2_tokenizer, groups=3, per_group=4, system_len=50, question_len=5,
+                                  output_len=7, seed=0)
+    assert len(reqs) == 12 and all(r.input_len == 55 and r.output_len == 7 for r in reqs)
+    systems = {tuple(r.input_ids[:50]) for r in reqs}
+    assert len(systems) == 3 and len({tuple(r.input_ids) for r in reqs}) == 12
+    assert [tuple(r.input_ids[:50]) for r in reqs[:4]] != [tuple(reqs[0].input_ids[:50])] * 4  # interleaved
+    convs = multi_turn_conversations(smollm2_tokenizer, num=2, turns=3, user_len=6, output_len=4, seed=1)
+    assert [len(c.user_turns) for c in convs] == [3, 3] and all(len(u) == 6 for c in convs for u in c.user_turns)
+    results = [RequestResult(1, 1, success=True, ttft=t, turn=k) for k, t in ((0, 0.1), (1, 0.2), (0, 0.3))]
+    assert [(t["turn"], t["completed"], t["ttft_ms"]["median"]) for t in ttft_by_turn(results)] == \
+        [(0, 2, pytest.approx(200.0)), (1, 1, pytest.approx(200.0))]
