@@ -41,7 +41,7 @@ class PrefillAdder:
             n = pending
         else:
             n = min(pending, self.rem_input, self.chunk_size)
-        if pending + reserve <= self.rem_total:
+        if pending + reserve <= self.rem_total and n <= self.pool_free:
             return n
         # Nothing else holds KV: run it on what the pool has (retraction can't help anyway).
         if self.nothing_running and self.rows == 0 and n <= self.pool_free:
@@ -62,6 +62,8 @@ class PrefillAdder:
         self.rows += 1
         self.rem_input -= n
         self.pool_free -= n
+        if n == pending:  # the reservation held pending - 1: the chunk that ends a prompt takes one more
+            self.rem_total -= 1
         if n < pending:
             self.chunked = True
 
