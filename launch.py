@@ -26,6 +26,7 @@ import zmq
 from ipc.messages import ProcFailed, ProcReady, ToLauncher
 from ipc.proc import ChildConfig
 from ipc.sockets import Endpoints, Receiver
+from scheduler_proc.batching import BATCHING_STRATEGIES
 from scheduler_proc.load_balancer import LOAD_BALANCE_METHODS
 from scheduler_proc.policies import QUEUE_POLICIES
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES
@@ -63,6 +64,14 @@ class ServerArgs:
                                           "(--no-enable-mixed-chunk: prompt steps and decode steps alternate)")
     decode_first: bool = _arg(False, "latency knob: decodes count against the step token budget (mixed), or a "
                                      "pending decode step runs before the next prompt step (unmixed)")
+    batching_strategy: str = _arg("loom", "how a step is composed and what KV a request must find to be admitted: "
+                                          "loom (continuous batching, chunked prefill), sarathi (a token budget, "
+                                          "decodes first), vllm (whole prompts first, preempt the latest), orca "
+                                          "(reserve max_new_tokens), lightllm (peak-KV admission check), static "
+                                          "(no joins until the whole batch ends); see docs/architecture.md",
+                                  choices=tuple(BATCHING_STRATEGIES.names()))
+    max_waiting_iters: int = _arg(10, "lightllm batching: decode steps between two prompt steps while requests decode")
+    watermark: float = _arg(0.01, "vllm batching: fraction of the KV pool a new prompt must leave free")
     prefill_admission_policy: str = _arg("fifo", "which waiting prompts a step admits: fifo, or pack (fill the "
                                                  "step budget with the cheapest prompts in the look-ahead window)",
                                          choices=tuple(ADMISSION_POLICIES.names()))
@@ -123,7 +132,9 @@ class ServerArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
-        for name in ("tp_size", "dp_size", "nnodes", "page_size"):
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark={self.watermark}: a fraction in [0, 1)")
+        for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
         if not 0 <= self.node_rank < self.nnodes:

@@ -34,16 +34,13 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ipc.messages import FinishReason, future_capacity
+from scheduler_proc.batching import BATCHING_STRATEGIES, BatchingStrategy
 from scheduler_proc.kv_allocator import ReqSlotAllocator, TokenSlotAllocator
 from scheduler_proc.policies import QUEUE_POLICIES, QueuePolicy, apply_priority
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES, PrefillAdder
 from scheduler_proc.radix_cache import RadixCache, common_prefix
 from scheduler_proc.req import Req, ReqState
 from scheduler_proc.schedule_batch import BatchRow, ScheduleBatch
-
-# Outputs longer than this are reserved as if they were this long (keeps admission possible
-# for requests that ask for huge max_new_tokens).
-CLIP_MAX_NEW_TOKENS = 4096
 
 
 @dataclass(slots=True)
@@ -54,8 +51,11 @@ class SchedulerConfig:
     max_context_len: int
     eos_token_ids: tuple[int, ...] = ()
     chunked_prefill_size: int | None = None  # one request's prompt tokens per step; None: no chunking
-    enable_mixed_chunk: bool = True  # decodes ride in the same forward as prompt chunks
-    decode_first: bool = False  # see SchedulerCore.next_batch
+    enable_mixed_chunk: bool = True  # decodes ride in the same forward as prompt chunks (loom batching)
+    decode_first: bool = False  # see SchedulerCore.next_batch (loom batching)
+    batching_strategy: str = "loom"  # batching.py
+    max_waiting_iters: int = 10  # lightllm batching: decode steps between prompt steps
+    watermark: float = 0.01  # vllm batching: pool fraction kept free when admitting
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     prefill_admission_policy: str = "fifo"
@@ -71,6 +71,34 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
     new_token_ratio_decay: float = 0.001
+
+    @classmethod
+    def from_args(cls, args: dict, max_total_tokens: int, max_context_len: int,
+                  eos_token_ids: tuple[int, ...] = ()) -> "SchedulerConfig":
+        """The configuration the server's flags (ServerArgs, as a dict) give a pool of this size."""
+        return cls(
+            max_total_tokens=max_total_tokens,
+            max_running_requests=args["max_running_requests"],
+            max_prefill_tokens=args["max_prefill_tokens"],
+            max_context_len=max_context_len,
+            eos_token_ids=eos_token_ids,
+            chunked_prefill_size=None if args["chunked_prefill_size"] <= 0 else args["chunked_prefill_size"],
+            enable_mixed_chunk=args["enable_mixed_chunk"],
+            decode_first=args["decode_first"],
+            batching_strategy=args["batching_strategy"],
+            max_waiting_iters=args["max_waiting_iters"],
+            watermark=args["watermark"],
+            schedule_policy=args["schedule_policy"],
+            enable_priority_scheduling=args["enable_priority_scheduling"],
+            prefill_admission_policy=args["prefill_admission_policy"],
+            admission_lookahead=args["admission_lookahead"],
+            force_fifo_every=args["force_fifo_every"],
+            waiting_timeout=args["waiting_timeout"],
+            running_timeout=args["running_timeout"],
+            enable_radix_cache=not args["disable_radix_cache"],
+            page_size=args["page_size"],
+            in_batch_prefix_threshold=args["in_batch_prefix_threshold"],
+        )
 
 
 @dataclass(slots=True)
@@ -91,6 +119,8 @@ class SchedulerCore:
         self.req_pool = ReqSlotAllocator(config.max_running_requests)
         self.cache = RadixCache(config.page_size) if config.enable_radix_cache else None
         self.queue_policy: QueuePolicy = QUEUE_POLICIES.make(config.schedule_policy, config.seed)
+        self.batching: BatchingStrategy = BATCHING_STRATEGIES.make(
+            config.batching_strategy, config.max_waiting_iters, config.watermark)
         self.admission = ADMISSION_POLICIES.make(config.prefill_admission_policy, config.admission_lookahead,
                                                config.force_fifo_every)
         self.waiting: deque[Req] = deque()
@@ -140,27 +170,18 @@ class SchedulerCore:
     # ---- one step ----------------------------------------------------------------------
 
     def next_batch(self, now: float | None = None) -> tuple[ScheduleBatch | None, list[ReqOutput]]:
-        """Plan the next forward. Also returns requests that ended while planning (timeouts, a
-        lone request the KV pool cannot grow any further).
+        """Plan the next forward, as the batching strategy composes it. Also returns requests
+        that ended while planning (timeouts, a lone request the KV pool cannot grow any further).
 
-        Mixed mode (default): every step runs each decoding request one token and admits
-        prompts alongside; with decode_first the decodes also count against the step's token
-        budget. Unmixed: a step is either prompts only (prefill first, as SGLang) or decodes
-        only; with decode_first a pending decode step goes before the next prompt step."""
+        loom batching, mixed mode (default): every step runs each decoding request one token and
+        admits prompts alongside; with decode_first the decodes also count against the step's
+        token budget. Unmixed: a step is either prompts only (prefill first, as SGLang) or
+        decodes only; with decode_first a pending decode step goes before the next prompt step."""
         self.now = now
         retractions = self.num_retractions
         ended = self._check_timeouts(now) if now is not None else []
         batch = ScheduleBatch(step=self.step)
-        if self.config.enable_mixed_chunk:
-            ended += self._schedule_decodes(batch)
-            spent = len(batch.rows) if self.config.decode_first else 0
-            self._schedule_prefills(batch, self.config.max_prefill_tokens - spent)
-        else:
-            has_decodes = any(r.num_pending == 1 for r in self.running)
-            if not (self.config.decode_first and has_decodes and self.last_batch_was_prefill):
-                self._schedule_prefills(batch, self.config.max_prefill_tokens)
-            if not batch.rows:
-                ended += self._schedule_decodes(batch)
+        ended += self.batching.plan(self, batch)
         self.retracted_last_step = self.num_retractions > retractions
         if not batch.rows:
             return None, ended
@@ -217,7 +238,7 @@ class SchedulerCore:
                 outputs.append(self._finish(req, finish))
             else:
                 outputs.append(ReqOutput(req, self._take_unsent(req), False))
-        if self.new_token_ratio > self.config.min_new_token_ratio:
+        if self.batching.decaying_estimate and self.new_token_ratio > self.config.min_new_token_ratio:
             self.new_token_ratio = max(
                 self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
             )
@@ -237,7 +258,7 @@ class SchedulerCore:
                 ended.append(self._finish(self.running[0], FinishReason(
                     "abort", message="the KV cache is too small to continue this request")))
             else:
-                self._retract(self._retraction_victim())
+                self._retract(self.batching.victim(self))
         slots = self.token_pool.alloc(len(decoding))  # one allocation for every decode
         for i, req in enumerate(decoding):
             self._extend(batch, req, 1, slots[i : i + 1])
@@ -250,14 +271,14 @@ class SchedulerCore:
         adder = PrefillAdder(
             rem_total=available - self._reserved_tokens(),
             rem_input=input_budget,
-            chunk_size=cfg.chunked_prefill_size,
+            chunk_size=self.batching.chunk_size(self),
             pool_free=available,
             nothing_running=not self.running,
         )
         # A request whose prompt was chunked last step resumes first.
         for req in list(self.running):
             if req.num_pending > 1:
-                n = min(req.num_pending, adder.rem_input, cfg.chunked_prefill_size or req.num_pending,
+                n = min(req.num_pending, adder.rem_input, adder.chunk_size or req.num_pending,
                         self._available())
                 if n > 0:
                     adder.add_resumed_chunk(n, req.num_pending)
@@ -281,7 +302,7 @@ class SchedulerCore:
                 req.cache_node = node
                 req.append_kv(cached)
                 n = adder.fits(req.num_pending, self._expected_output(req))
-                if n == 0:
+                if n == 0 or not self.batching.admissible(self, req, n):
                     req.clear_kv()
                     self.cache.unlock(node)
                     req.cache_node = None
@@ -292,6 +313,8 @@ class SchedulerCore:
                 if req.retractions == 0:
                     req.cached_tokens = len(cached)
                     self.num_cached_prompt_tokens += len(cached)
+            elif not self.batching.admissible(self, req, n):
+                return False
             self.waiting.remove(req)
             candidates.remove(req)
             adder.add(n, req.num_pending, self._expected_output(req))
@@ -390,15 +413,11 @@ class SchedulerCore:
         return self.token_pool.num_free >= n
 
     def _expected_output(self, req: Req) -> int:
-        """Output tokens to reserve KV for."""
-        return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+        """Output tokens to reserve KV for (the batching strategy's rule)."""
+        return self.batching.reserve(self, req)
 
     def _reserved_tokens(self) -> int:
         return sum(self._expected_output(r) + max(r.num_pending - 1, 0) for r in self.running)
-
-    def _retraction_victim(self) -> Req:
-        # Longest output first (it frees the most), ties to the latest arrival.
-        return max(self.running, key=lambda r: (len(r.output_ids), r.arrival))
 
     def _retract(self, req: Req) -> None:
         self._release(req)

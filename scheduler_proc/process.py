@@ -100,26 +100,7 @@ class SchedulerProcess:
         decoder = load_decoder(config.model_dir)
         eos = tuple(args.get("eos_token_ids") or ())
         self.core = SchedulerCore(
-            SchedulerConfig(
-                max_total_tokens=ready.max_total_tokens,
-                max_running_requests=args["max_running_requests"],
-                max_prefill_tokens=args["max_prefill_tokens"],
-                max_context_len=ready.max_context_len,
-                eos_token_ids=eos,
-                chunked_prefill_size=None if args["chunked_prefill_size"] <= 0 else args["chunked_prefill_size"],
-                enable_mixed_chunk=args["enable_mixed_chunk"],
-                decode_first=args["decode_first"],
-                schedule_policy=args["schedule_policy"],
-                enable_priority_scheduling=args["enable_priority_scheduling"],
-                prefill_admission_policy=args["prefill_admission_policy"],
-                admission_lookahead=args["admission_lookahead"],
-                force_fifo_every=args["force_fifo_every"],
-                waiting_timeout=args["waiting_timeout"],
-                running_timeout=args["running_timeout"],
-                enable_radix_cache=not args["disable_radix_cache"],
-                page_size=args["page_size"],
-                in_batch_prefix_threshold=args["in_batch_prefix_threshold"],
-            ),
+            SchedulerConfig.from_args(args, ready.max_total_tokens, ready.max_context_len, eos),
             stop_checker=StopChecker(decoder),
         )
         self.clock = time.monotonic
