@@ -147,8 +147,8 @@ class ServerArgs:
                 raise ValueError(f"dist_init_addr={self.dist_init_addr!r}: with --nnodes > 1 give node 0's HOST:PORT")
 
     @classmethod
-    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
-        parser = argparse.ArgumentParser(description="Serve a model with loom (OpenAI-style HTTP + ZMQ).")
+    def add_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        """Every field as its flag (the server's command line, and the simulator's)."""
         types = {"int | None": int, "str | None": str, "float | None": float, "float": float, "int": int, "str": str}
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
@@ -157,6 +157,11 @@ class ServerArgs:
             else:
                 parser.add_argument(flag, type=types[f.type], default=f.default, help=f.metadata["help"],
                                     choices=f.metadata["choices"])
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        parser = argparse.ArgumentParser(description="Serve a model with loom (OpenAI-style HTTP + ZMQ).")
+        cls.add_arguments(parser)
         return cls(**vars(parser.parse_args(argv)))
 
 

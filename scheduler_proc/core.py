@@ -56,6 +56,9 @@ class SchedulerConfig:
     batching_strategy: str = "loom"  # batching.py
     max_waiting_iters: int = 10  # lightllm batching: decode steps between prompt steps
     watermark: float = 0.01  # vllm batching: pool fraction kept free when admitting
+    # Pipeline stages (micro-batches): a request with a row in a step not yet applied is left
+    # out of the next plans, so several steps of disjoint requests can be in flight.
+    hold_in_flight: bool = False
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     prefill_admission_policy: str = "fifo"
@@ -186,6 +189,9 @@ class SchedulerCore:
         if not batch.rows:
             return None, ended
         self.last_batch_was_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in batch.rows)
+        if self.config.hold_in_flight:
+            for row in batch.rows:
+                row.req.in_flight = True
         for row in batch.rows:
             if row.samples:
                 row.output_index, row.future = len(row.req.output_ids), self.next_future
@@ -219,6 +225,9 @@ class SchedulerCore:
         """Apply a step's sampled tokens (one per sampling row, in row order) and, for requests
         that asked, their logprobs (opaque to the core; kept aligned with output_ids)."""
         outputs: list[ReqOutput] = []
+        if self.config.hold_in_flight:
+            for row in batch.rows:
+                row.req.in_flight = False
         tokens = iter(next_token_ids)
         lps = iter(logprobs or ())
         for row in batch.rows:
@@ -251,7 +260,8 @@ class SchedulerCore:
         while True:
             # (a request whose last token is still in flight needs no more once that one is its
             # last: the normal loop never has such a request running)
-            decoding = [r for r in self.running if r.num_pending == 1 and not self._last_token_planned(r)]
+            decoding = [r for r in self.running if r.num_pending == 1 and not self._last_token_planned(r)
+                        and not r.in_flight]
             if self._make_room(len(decoding)):
                 break
             if len(self.running) == 1:
@@ -265,6 +275,8 @@ class SchedulerCore:
         return ended
 
     def _schedule_prefills(self, batch: ScheduleBatch, input_budget: int) -> None:
+        if not self.waiting and not any(r.num_pending > 1 for r in self.running):
+            return  # no prompt to compute (most steps of a steady load)
         cfg = self.config
         self._matches.clear()
         available = self._available()
@@ -277,7 +289,7 @@ class SchedulerCore:
         )
         # A request whose prompt was chunked last step resumes first.
         for req in list(self.running):
-            if req.num_pending > 1:
+            if req.num_pending > 1 and not req.in_flight:
                 n = min(req.num_pending, adder.rem_input, adder.chunk_size or req.num_pending,
                         self._available())
                 if n > 0:

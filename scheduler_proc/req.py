@@ -42,6 +42,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens it did not compute (taken from the prefix cache)
     cache_node: object = None  # the prefix cache node it locks (radix_cache.TreeNode)
     prefix_table_due: bool = False  # its next row tells the worker where its cached prefix lies
+    in_flight: bool = False  # in a step not yet applied (SchedulerConfig.hold_in_flight only)
 
     def fill_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole list."""

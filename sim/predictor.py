@@ -1,0 +1,166 @@
+"""How long a step takes, from its shape. Two predictors behind one call, `seconds(batch)`:
+
+  FittedPredictor    a linear model over the step's shape, fitted (scikit-learn, non-negative
+                     coefficients) to steps of loom's own worker timed on this machine by
+                     `python -m sim profile`; evaluated as a dot product (the simulator calls it
+                     once per step).
+  RooflinePredictor  for hardware loom is not on: a device's peak FLOP/s and memory bandwidth and a
+                     model's per-layer shapes. A step takes max(FLOPs / (peak x mfu), bytes /
+                     (bandwidth x mbu)) + a fixed per-step overhead: FLOPs of every linear for
+                     every token, the LM head for sampled rows, attention (QK and PV) over each
+                     token's context; bytes of every weight once plus the KV each row reads and
+                     writes. mfu/mbu are the fractions of peak a well-tuned engine reaches.
+
+The step's shape (features, one pass over its rows):
+  tokens        tokens computed (prompt tokens + one per decode)
+  sampled       rows that sample a token (an LM-head row each)
+  prefill_attn  attention pairs of prompt rows: sum of extend x (prefix + (extend + 1) / 2)
+  decode_ctx    context length summed over decode rows (the KV a decode reads)
+  rows          rows (per-request work: metadata, sampling)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FEATURES = ("tokens", "sampled", "prefill_attn", "decode_ctx", "rows")
+
+
+def step_shape(batch) -> tuple[float, float, float, float, float]:
+    """The features of a ScheduleBatch, in FEATURES order."""
+    tokens = sampled = prefill_attn = decode_ctx = 0
+    for r in batch.rows:
+        e = r.extend_len
+        tokens += e
+        sampled += r.samples
+        if e == 1 and r.prefix_len > 0:
+            decode_ctx += r.prefix_len + 1
+        else:
+            prefill_attn += e * (r.prefix_len + (e + 1) * 0.5)
+    return tokens, sampled, prefill_attn, decode_ctx, len(batch.rows)
+
+
+class Predictor:
+    description = ""
+
+    def seconds(self, batch) -> float:
+        raise NotImplementedError
+
+
+class FittedPredictor(Predictor):
+    def __init__(self, intercept: float, coef: dict[str, float], meta: dict | None = None):
+        self.intercept = intercept
+        self.coef = coef
+        self.meta = meta or {}
+        self._w = tuple(coef[f] for f in FEATURES)
+        self.description = f"fitted on {self.meta.get('cpu', 'this machine')} ({self.meta.get('dtype', '?')})"
+
+    def seconds(self, batch) -> float:
+        w0, w1, w2, w3, w4 = self._w
+        t, s, pa, dc, r = step_shape(batch)
+        return self.intercept + w0 * t + w1 * s + w2 * pa + w3 * dc + w4 * r
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FittedPredictor":
+        data = json.loads(Path(path).read_text())
+        return cls(data["intercept"], data["coef"], data.get("meta"))
+
+    @classmethod
+    def fit(cls, shapes: list[tuple], seconds: list[float], meta: dict | None = None) -> "FittedPredictor":
+        """Least squares with non-negative coefficients (time never falls as work grows)."""
+        from sklearn.linear_model import LinearRegression
+
+        model = LinearRegression(positive=True).fit(shapes, seconds)
+        coef = dict(zip(FEATURES, (float(c) for c in model.coef_)))
+        return cls(max(0.0, float(model.intercept_)), coef, meta)
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        Path(path).write_text(json.dumps({"intercept": self.intercept, "coef": self.coef, "features": FEATURES,
+                                          "meta": self.meta, **(extra or {})}, indent=1))
+
+
+@dataclass(frozen=True)
+class Device:
+    flops: float  # peak dense FLOP/s in the model's dtype
+    bandwidth: float  # memory bytes/s
+    mfu: float = 0.5
+    mbu: float = 0.8
+    step_overhead_s: float = 0.5e-3  # launch, scheduling, sampling not hidden
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.layers * self.linear_params_per_layer + 2 * self.vocab * self.hidden) * self.dtype_bytes
+
+
+DEVICES = {
+    "h100": Device(flops=989e12, bandwidth=3.35e12),  # SXM, bf16 dense
+    "h200": Device(flops=989e12, bandwidth=4.8e12),
+    "a100": Device(flops=312e12, bandwidth=2.0e12),  # SXM 80 GB
+    "l40s": Device(flops=362e12, bandwidth=0.864e12),
+}
+
+MODELS = {
+    "llama-2-7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008,
+                             vocab=32000),
+    "llama-3-8b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
+                             vocab=128256),
+    "qwen2.5-7b": ModelShape(layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, intermediate=18944,
+                             vocab=152064),
+    "smollm2-135m": ModelShape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536,
+                               vocab=49152),
+}
+
+
+class RooflinePredictor(Predictor):
+    def __init__(self, device: Device, model: ModelShape, device_name: str = "", model_name: str = ""):
+        self.device, self.model = device, model
+        d, m = device, model
+        self.s_per_flop = 1.0 / (d.flops * d.mfu)
+        self.s_per_byte = 1.0 / (d.bandwidth * d.mbu)
+        self.flops_per_token = 2.0 * m.layers * m.linear_params_per_layer
+        self.flops_per_sample = 2.0 * m.hidden * m.vocab
+        self.flops_per_pair = 4.0 * m.layers * m.heads * m.head_dim  # QK^T and PV, one query x one key
+        self.kv_bytes_per_token = 2.0 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes
+        self.weight_bytes = float(m.weight_bytes)
+        self.description = (f"roofline {device_name or 'device'} ({d.flops / 1e12:.0f} TFLOP/s x mfu {d.mfu}, "
+                            f"{d.bandwidth / 1e12:.2f} TB/s x mbu {d.mbu}, +{d.step_overhead_s * 1e3:.1f} ms/step) "
+                            f"for {model_name or 'the model'}")
+
+    @classmethod
+    def named(cls, device: str, model: str) -> "RooflinePredictor":
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
+        if model not in MODELS:
+            raise ValueError(f"model {model!r}: choose one of {', '.join(MODELS)}")
+        return cls(DEVICES[device], MODELS[model], device, model)
+
+    def seconds(self, batch) -> float:
+        t, s, pa, dc, _ = step_shape(batch)
+        flops = t * self.flops_per_token + s * self.flops_per_sample + (pa + dc) * self.flops_per_pair
+        # KV read by decodes (their context) and written for every new token; prompt rows read
+        # their prefix once per step (tiled attention keeps the rest on chip)
+        kv_bytes = (dc + t) * self.kv_bytes_per_token
+        return max(flops * self.s_per_flop, (self.weight_bytes + kv_bytes) * self.s_per_byte) \
+            + self.device.step_overhead_s
+
+    def describe(self) -> dict:
+        return {"device": asdict(self.device), "model": asdict(self.model)}
