@@ -21,7 +21,7 @@ from sim.predictor import FEATURES, FittedPredictor, step_shape
 GRID_DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 GRID_CONTEXTS = (32, 256, 1024)
 GRID_PROMPTS = (32, 128, 512, 1024)
-MAX_PREFILLED = 16384  # R x C above this is skipped (its set-up would dominate the profile)
+MAX_PREFILLED = 8192  # R x C above this is skipped (its set-up would dominate the profile)
 
 
 def build_runner(args: dict):

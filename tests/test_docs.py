@@ -30,7 +30,8 @@ def server_flags() -> set[str]:
 
 
 def benchmark_flags() -> set[str]:
-    return {m for p in (ROOT / "benchmarks").glob("*.py")
+    """Flags of the benchmark tools and the simulator."""
+    return {m for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "sim").glob("*.py")]
             for m in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", p.read_text())}
 
 

@@ -1,0 +1,134 @@
+"""Batching strategies at one load, live and simulated, side by side in one run.
+
+For each --batching-strategy: a loom server with it serves a seeded bench_serving workload (random
+prompts, Poisson arrivals at --request-rate); then the simulator replays that run's very
+arrivals and lengths through the same strategy, with step times fitted to this machine
+(`python -m sim profile`, --profile). The table gives both sides' median TTFT, median e2e and
+output throughput and the simulator's error on each; the plot puts them side by side.
+
+    python -m sim profile --out sim_profile.json
+    python benchmarks/bench_strategies.py --profile sim_profile.json
+    python benchmarks/bench_strategies.py --profile sim_profile.json --strategies loom,vllm --request-rate 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (ROOT, add_repo_to_path, cpu_info, default_result_path, format_table,  # noqa: E402
+                               wait_healthy, write_json)
+
+add_repo_to_path()
+
+STRATEGIES = "loom,sarathi,vllm,orca,lightllm,static"
+
+
+def serve_and_measure(args, strategy: str, out_json: Path) -> None:
+    from benchmarks import bench_serving
+    from benchmarks.bench_serving_compare import stop
+
+    server = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(args.port), "--zmq-port", "0",
+                               "--batching-strategy", strategy, "--max-running-requests", str(args.max_running_requests),
+                               "--log-level", "warning", *args.server_args], cwd=str(ROOT))
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{args.port}/health", "loom server")
+        bench_serving.run_benchmark(bench_serving.parse_args([
+            "--port", str(args.port), "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
+            "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--no-probe", "--disable-tqdm",
+            "--label", strategy, "--output-file", str(out_json)]))
+    finally:
+        stop(server)
+
+
+def simulate(args, strategy: str, replay: Path) -> dict:
+    from sim.__main__ import cmd_run
+
+    return cmd_run(["--predictor", str(args.profile), "--replay", str(replay), "--batching-strategy", strategy,
+                    "--max-running-requests", str(args.max_running_requests), "--no-progress", *args.server_args])
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    x = np.arange(len(rows))
+    for ax, key, name, scale in ((axes[0], "ttft_p50_s", "median TTFT (ms)", 1e3),
+                                 (axes[1], "e2e_p50_s", "median e2e latency (s)", 1.0),
+                                 (axes[2], "output_tok_s", "output tok/s", 1.0)):
+        live = [r["fidelity"][key]["measured"] * scale for r in rows]
+        simulated = [r["fidelity"][key]["simulated"] * scale for r in rows]
+        ax.bar(x - 0.2, live, 0.4, label="live")
+        ax.bar(x + 0.2, simulated, 0.4, label="simulated")
+        ax.set_xticks(x, [r["strategy"] for r in rows])
+        ax.set_title(name)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", type=Path, required=True, help="the fitted step-time model (python -m sim profile)")
+    p.add_argument("--strategies", default=STRATEGIES, help="comma list (default: all)")
+    p.add_argument("--num-prompts", type=int, default=120)
+    p.add_argument("--input-len", type=int, default=256, help="longest prompt")
+    p.add_argument("--output-len", type=int, default=64, help="longest output")
+    p.add_argument("--range-ratio", type=float, default=0.25, help="shortest = ratio x longest")
+    p.add_argument("--request-rate", type=float, default=3.0, help="Poisson arrivals per second")
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--port", type=int, default=30710)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="where the plot goes (default: next to the JSON)")
+    p.add_argument("server_args", nargs="*", help="more server flags, after --")
+    args = p.parse_args(argv)
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model_name']}, {cpu['cores']} cores", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in args.strategies.split(","):
+            print(f"== {strategy}: live", flush=True)
+            live = Path(tmp) / f"{strategy}.json"
+            serve_and_measure(args, strategy, live)
+            print(f"== {strategy}: simulated", flush=True)
+            summary = simulate(args, strategy, live)
+            rows.append({"strategy": strategy, "fidelity": summary["fidelity"],
+                         "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
+
+    def cell(r, key, scale=1.0):
+        f = r["fidelity"][key]
+        return f"{f['measured'] * scale:.4g} / {f['simulated'] * scale:.4g} ({f['error']:+.0%})"
+
+    table = format_table(["strategy", "TTFT p50 ms live / sim", "e2e p50 s live / sim", "out tok/s live / sim"],
+                         [(r["strategy"], cell(r, "ttft_p50_s", 1e3), cell(r, "e2e_p50_s"), cell(r, "output_tok_s"))
+                          for r in rows])
+    print(table)
+    result = {"benchmark": "bench_strategies", "cpu": cpu, "args": {k: str(v) for k, v in vars(args).items()},
+              "rows": rows}
+    path = write_json(args.json or default_result_path("bench_strategies"), result)
+    plot_path = args.plot or path.with_suffix(".png")
+    plot(rows, plot_path, f"{args.num_prompts} requests, Poisson {args.request_rate:g}/s, prompts "
+                          f"{int(args.input_len * args.range_ratio)}-{args.input_len}, outputs "
+                          f"{int(args.output_len * args.range_ratio)}-{args.output_len} ({cpu['model_name']})")
+    print(f"results: {path}, plot: {plot_path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
