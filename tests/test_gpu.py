@@ -85,6 +85,6 @@ def test_engine_serves_on_the_gpu(default_model_dir):
     with Engine(device="cuda", max_running_requests=16, cuda_graph_max_bs=16, port=0) as engine:
         assert engine.server_info["dtype"] == "bfloat16"
         assert engine.server_info["attention_backend"] == "triton"
-        assert engine.server_info["cuda_graphs"][-1] == 16
+        assert engine.server_info["cuda_graph_max_bs"] == 16
         out = engine.generate(["The capital of France is"] * 3, {"max_new_tokens": 16, "temperature": 0})
         assert "Paris" in out[0]["text"] and out[0]["text"] == out[1]["text"] == out[2]["text"]

@@ -59,7 +59,7 @@ def main(config: ChildConfig, report_ready) -> None:
     report_ready({"kv_slots": runner.num_slots, "dtype": dtype_name, "dtype_reason": why,
                   "threads": torch.get_num_threads(), "kernel_backend": runner.kernel_backend,
                   "kernel_isa": runner.kernel_isa, "attention_backend": runner.attention_backend,
-                  "cuda_graphs": runner.graphs.sizes if runner.graphs is not None else [],
+                  "cuda_graph_max_bs": runner.graphs.max_bs if runner.graphs is not None else 0,
                   "quantization": args["quantization"],
                   "tp_rank": rank, "weight_bytes": runner.weight_bytes})
     last_end = None  # when the previous forward ended: the gap before the next is the scheduler's
