@@ -88,3 +88,23 @@ def test_engine_serves_on_the_gpu(default_model_dir):
         assert engine.server_info["cuda_graph_max_bs"] == 16
         out = engine.generate(["The capital of France is"] * 3, {"max_new_tokens": 16, "temperature": 0})
         assert "Paris" in out[0]["text"] and out[0]["text"] == out[1]["text"] == out[2]["text"]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_weight_only_quantization_matches_the_cpu_reference(scheme, deterministic, tmp_path):
+    """--quantization on the GPU (int8 through the Triton matmul, int4 widened then multiplied) gives
+    the greedy tokens of the same quantized model on the CPU's torch ops (float32)."""
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+
+    path = build_tiny_checkpoint("llama", tmp_path, seed=0)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 30)]
+    cpu = ModelRunner(RunnerConfig(str(path), torch.float32, kv_cache_gb=0.01, max_running_requests=4,
+                                   kernel_backend="torch", quantization=scheme))
+    expected = generate_greedy(cpu, prompts, NEW_TOKENS, together=True)
+    gpu = runner_on_gpu(path, torch.float32, max_running_requests=4, mem_fraction_static=0.1, quantization=scheme,
+                        deterministic=deterministic)
+    assert generate_greedy(gpu, prompts, NEW_TOKENS, together=True) == expected
+    del gpu
+    torch.cuda.empty_cache()
