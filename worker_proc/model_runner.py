@@ -159,6 +159,9 @@ class ModelRunner:
         self.pool = KVPool(self.config.num_layers, self.num_slots, shard.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)
         self.attention_backend = resolve_attention_backend(rc.attention_backend, rc.device, kernels)
+        if rc.deterministic and not (self.on_gpu and self.attention_backend == "triton"):
+            raise ValueError("--enable-deterministic-inference: the batch-invariant kernels are the GPU's "
+                             "(--device cuda with --attention-backend triton)")
         # per-step tables reach the device (or the Triton interpreter) through one staging buffer
         self.staging = HostStaging(rc.device) if self.on_gpu or self.attention_backend == "triton" else None
         if self.attention_backend == "cpu":
