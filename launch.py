@@ -53,9 +53,23 @@ class ServerArgs:
     zmq_port: int | None = _arg(None, "ZMQ client port (default: --port + 1; 0 picks a free port)")
     dtype: str = _arg("auto", "compute dtype (auto times float32 and bfloat16 GEMMs on this CPU at start-up)",
                       choices=("auto", *DTYPES))
-    device: str = _arg("cpu", "compute device", choices=("cpu",))
-    kv_cache_gb: float = _arg(2.0, "memory for the KV cache of the whole server, in GiB (the data- and "
+    device: str = _arg("auto", "compute device (auto: cuda where a GPU is visible, else cpu)",
+                       choices=("auto", "cpu", "cuda"))
+    kv_cache_gb: float = _arg(2.0, "on the CPU: memory for the KV cache of the whole server, in GiB (the data- and "
                                    "tensor-parallel ranks share it)")
+    mem_fraction_static: float = _arg(0.88, "on a GPU: the fraction of its memory for the weights and the KV cache "
+                                            "(the KV pool takes what the weights leave of it; the rest is for "
+                                            "activations and CUDA graphs)")
+    attention_backend: str = _arg("auto", "attention kernels: triton (Triton, over the paged KV pool; the GPU's "
+                                          "default), cpu (loom's compiled CPU kernel; the CPU's default) or torch "
+                                          "(the reference)", choices=("auto", "triton", "cpu", "torch"))
+    cuda_graph_max_bs: int = _arg(128, "on a GPU: decode steps of up to this many requests replay CUDA graphs "
+                                       "captured at start (sizes 1, 2, 4, 8, 16, ... up to it; capped at "
+                                       "--max-running-requests)")
+    disable_cuda_graph: bool = _arg(False, "on a GPU: run every step eagerly (no CUDA graphs)")
+    enable_deterministic_inference: bool = _arg(False, "on a GPU: batch-invariant kernels (fixed matmul tiles, fixed "
+                                                       "decode split lengths), so a request's tokens do not depend on "
+                                                       "what else runs in its batch; slower (docs/architecture.md)")
     max_running_requests: int = _arg(64, "requests decoding at once")
     max_prefill_tokens: int = _arg(1024, "prompt tokens computed per step")
     chunked_prefill_size: int = _arg(1024, "most prompt tokens of one request per step; longer prompts are split "
@@ -132,6 +146,14 @@ class ServerArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
+        if self.device == "auto":
+            self.device = "cuda" if _cuda_available() else "cpu"
+        elif self.device == "cuda" and not _cuda_available():
+            raise ValueError("device='cuda': no CUDA device is visible to torch here")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static={self.mem_fraction_static}: between 0 and 1")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: at least 0 (0: no CUDA graphs)")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: a fraction in [0, 1)")
         for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters"):
@@ -163,6 +185,12 @@ class ServerArgs:
         parser = argparse.ArgumentParser(description="Serve a model with loom (OpenAI-style HTTP + ZMQ).")
         cls.add_arguments(parser)
         return cls(**vars(parser.parse_args(argv)))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def flags_markdown() -> str:

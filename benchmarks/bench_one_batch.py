@@ -70,6 +70,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the CPU kernels' instruction-set level, as launch.py (default: %(default)s)")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="weight-only quantization, as launch.py (default: %(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (auto: cuda where a GPU is visible; default: %(default)s)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="on a GPU: every decode step eager")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="on a GPU: the batch-invariant kernels (to measure what they cost)")
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="on a GPU: its memory bandwidth in GB/s for the bandwidth roof (e.g. 3350 for an H100 "
+                        "SXM); the CPU probes are skipped there")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache, GiB (default: what the largest batch needs, plus a margin)")
     p.add_argument("--seed", type=int, default=0, help="seed for the prompts (default: %(default)s)")
@@ -152,9 +160,12 @@ def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -
         per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
         tokens = max(args.batch_sizes) * (args.input_len + args.output_len)
         kv_gb = (tokens * 1.25 + 4096) * per_token / 2**30
+    on_gpu = args.device == "cuda"
     return ModelRunner(RunnerConfig(str(model_dir), dtype, kv_gb, max(args.batch_sizes),
-                                    kernel_backend=args.kernel_backend, kernel_isa=args.kernel_isa,
-                                    quantization=args.quantization))
+                                    device=args.device, kernel_backend="auto" if on_gpu else args.kernel_backend,
+                                    kernel_isa=args.kernel_isa, quantization=args.quantization,
+                                    cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
+                                    deterministic=args.enable_deterministic_inference))
 
 
 # ---- one batch ----------------------------------------------------------------------------------
@@ -328,8 +339,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from worker_proc.model_loader import ensure_default_model
 
     torch.set_num_threads(num_cores())  # as loom's worker does
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda":  # the CPU's probes say nothing of a GPU: its bandwidth is given
+        args.no_probe = True
     machine = describe_machine() if args.no_probe else probe_machine(PROBE_DTYPES)
-    dtype, dtype_reason = resolve_dtype(args.dtype)
+    if args.device == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name()
+        if args.hbm_gbps:
+            machine["gemv"] = {name: {"best_gbs": args.hbm_gbps} for name in ("float32", "bfloat16", "float16")}
+    dtype, dtype_reason = resolve_dtype(args.dtype, args.device)
     dtype_name = str(dtype).removeprefix("torch.")
     model_dir = Path(args.model_path) if args.model_path else ensure_default_model()
 

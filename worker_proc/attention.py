@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,6 +63,7 @@ class TorchAttention:
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self.batch: ForwardBatch | None = None
+        self.device = pool.req_to_token.device  # (the step's host tensors index it as they are)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Per-step work shared by every layer: the decode gather indices and padding mask."""
@@ -75,7 +77,7 @@ class TorchAttention:
             self.decode_shape = (len(batch.decode_tokens), max_len)
             if int(batch.decode_seq_lens.min()) != max_len:
                 cols = torch.arange(max_len)
-                self.decode_mask = (cols[None, :] < batch.decode_seq_lens[:, None])[:, None, None, :]
+                self.decode_mask = (cols[None, :] < batch.decode_seq_lens[:, None])[:, None, None, :].to(self.device)
         for start, length, prefix, req in batch.extends:
             if prefix == 0:
                 self.extend_slots.append(None)
@@ -125,9 +127,67 @@ class TorchAttention:
                 full = kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:])  # [P+L, 2, KVH, Dh]
                 k_e = full[:, 0].transpose(0, 1).unsqueeze(0)
                 v_e = full[:, 1].transpose(0, 1).unsqueeze(0)
-                cols = torch.arange(prefix + length)
-                query_pos = torch.arange(length) + prefix
+                cols = torch.arange(prefix + length, device=q.device)
+                query_pos = torch.arange(length, device=q.device) + prefix
                 mask = cols[None, :] <= query_pos[:, None]
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + length] = o[0].transpose(0, 1)
+        return out
+
+
+class TritonAttention:
+    """The Triton kernels over the pool: this step's decode rows in one split-K launch pair, its
+    multi-token rows in one extend launch. The step's row tables go to the device through
+    `staging` (one copy). `split_tokens` > 0 fixes the decode split length (deterministic mode:
+    a row's reduction order then depends on its length only, never on the batch)."""
+
+    def __init__(self, pool: KVPool, head_dim: int, staging, num_sms: int, split_tokens: int = 0,
+                 causal_block: int = 1):
+        from worker_proc import triton_attention
+
+        self.kernels = triton_attention
+        self.pool = pool
+        self.staging = staging
+        self.scale = head_dim**-0.5
+        self.num_sms = num_sms
+        self.num_kv_heads = pool.kv[0].shape[2]
+        self.split_tokens = split_tokens
+        # with fixed split lengths the grid covers the longest row the pool can hold
+        self.fixed_splits = -(-pool.req_to_token.shape[1] // split_tokens) if split_tokens else 0
+        self.causal_block = causal_block
+        empty = torch.zeros(0, dtype=torch.int64, device=pool.req_to_token.device)
+        self.ext_start = self.ext_len = self.ext_prefix = self.ext_req = empty
+        self.max_extend = 0
+
+    def decode_splits(self, num_rows: int) -> int:
+        return self.fixed_splits or self.kernels.decode_splits(num_rows, self.num_kv_heads, self.num_sms)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """batch.out_cache_loc must already be on the pool's device."""
+        single = batch.extend_lens == 1
+        dec, ext = np.flatnonzero(single), np.flatnonzero(~single)
+        (self.dec_row, self.dec_req, self.dec_len, self.ext_start, self.ext_len, self.ext_prefix,
+         self.ext_req) = self.staging.upload([
+             batch.token_starts[dec], batch.req_pool_indices[dec], batch.prefix_lens[dec] + 1,
+             batch.token_starts[ext], batch.extend_lens[ext], batch.prefix_lens[ext], batch.req_pool_indices[ext]])
+        self.max_extend = int(batch.extend_lens[ext].max()) if len(ext) else 0
+        self.num_splits = self.decode_splits(len(dec))
+        self.out_cache_loc = batch.out_cache_loc
+
+    def bind_decode(self, out_cache_loc: torch.Tensor, dec_row: torch.Tensor, dec_req: torch.Tensor,
+                    dec_len: torch.Tensor) -> None:
+        """A decode-only step over fixed buffers (a CUDA graph's: replays read what they hold)."""
+        self.out_cache_loc, self.dec_row, self.dec_req, self.dec_len = out_cache_loc, dec_row, dec_req, dec_len
+        self.ext_len = self.ext_len[:0]
+        self.max_extend = 0
+        self.num_splits = self.decode_splits(len(dec_row))
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store_kv(self.pool, layer_id, self.out_cache_loc, k, v)
+        kv, r2t = self.pool.kv[layer_id], self.pool.req_to_token
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.kernels.decode_attention(q, kv, out, r2t, self.dec_row, self.dec_req, self.dec_len, self.scale,
+                                      self.num_splits, self.split_tokens)
+        self.kernels.extend_attention(q, kv, out, r2t, self.ext_start, self.ext_len, self.ext_prefix, self.ext_req,
+                                      self.max_extend, self.scale, self.causal_block)
         return out

@@ -1,4 +1,5 @@
-"""The worker's view of one step: tensors built from a ModelWorkerBatch."""
+"""The worker's view of one step: tensors built from a ModelWorkerBatch, and (`HostStaging`) how
+its per-step tables reach a GPU."""
 
 from __future__ import annotations
 
@@ -61,3 +62,47 @@ class ForwardBatch:
             extend_lens=ext,
             token_starts=starts,
         )
+
+
+class HostStaging:
+    """Uploads a step's small int tables to the device: packed into one pinned host buffer and
+    copied asynchronously (one copy per call, not one per array). Calls within a step take
+    successive parts of the buffer; `begin_step` waits until the last step's copies have left it.
+    On the CPU (Triton's interpreter) the arrays are only wrapped."""
+
+    def __init__(self, device: torch.device | str, capacity: int = 1 << 16):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.offset = 0
+        self.copied = None  # a CUDA event after the latest copy
+        if self.pinned:
+            self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+
+    def begin_step(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.offset = 0
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 device tensors of `arrays`, in order."""
+        if not self.pinned:
+            return [torch.from_numpy(np.array(a, dtype=np.int64)) for a in arrays]
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        if self.offset + total > len(self.host_np):  # a bigger buffer; the old one may still be copying
+            torch.cuda.current_stream(self.device).synchronize()
+            self._allocate(max(2 * len(self.host_np), total))
+            self.offset = 0
+        at = self.offset
+        for a, n in zip(arrays, sizes):
+            self.host_np[at : at + n] = a
+            at += n
+        dev = self.host[self.offset : at].to(self.device, non_blocking=True)
+        self.offset = at
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return list(dev.split(sizes))

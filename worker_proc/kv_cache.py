@@ -22,23 +22,24 @@ class KVPool:
             self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         # On the host, the mirror is written through a numpy view: its indexing of a few rows
-        # costs a tenth of torch's.
+        # costs a tenth of torch's. (On a GPU the model runner writes it with write_rows.)
         self._host_rows = self.req_to_token.numpy() if device == "cpu" else None
         self.num_slots = num_slots
 
     def record(self, req_pool_indices: np.ndarray, prefix_lens: np.ndarray, extend_lens: np.ndarray,
                token_starts: np.ndarray, slots: np.ndarray) -> None:
-        """Write this step's new slots (int32, packed by row) into the mirror: row r gets slots for
-        positions [prefix, prefix + extend)."""
-        if self._host_rows is not None:
-            target, wrap = self._host_rows, lambda a: a
-        else:
-            target, wrap = self.req_to_token, lambda a: torch.from_numpy(np.array(a)).to(self.req_to_token.device)
+        """Write this step's new slots (int32, packed by row) into the host mirror: row r gets
+        slots for positions [prefix, prefix + extend)."""
+        target = self._host_rows
         single = extend_lens == 1
-        target[wrap(req_pool_indices[single]), wrap(prefix_lens[single])] = wrap(slots[token_starts[single]])
+        target[req_pool_indices[single], prefix_lens[single]] = slots[token_starts[single]]
         for i in np.flatnonzero(~single):
             p, e, s = int(prefix_lens[i]), int(extend_lens[i]), int(token_starts[i])
-            target[int(req_pool_indices[i]), p : p + e] = wrap(slots[s : s + e])
+            target[int(req_pool_indices[i]), p : p + e] = slots[s : s + e]
+
+    def write_rows(self, req_of_token: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """The same on the device, from tensors there: one scatter for the whole step."""
+        self.req_to_token[req_of_token, positions] = slots.to(torch.int32)
 
     def set_prefix(self, req_pool_idx: int, slots: np.ndarray) -> None:
         """Row req_pool_idx's first len(slots) positions: a request starting on a cached prefix."""

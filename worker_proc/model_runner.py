@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from ipc.messages import ModelWorkerBatch, TokenLogprobs
 from worker_proc import cpu_kernels
 from worker_proc.attention import PagedKernelAttention, TorchAttention
-from worker_proc.forward_batch import ForwardBatch
+from worker_proc.forward_batch import ForwardBatch, HostStaging
 from worker_proc.future_map import FutureMap
 from worker_proc.kv_cache import KVPool
 from worker_proc.linear import pack_dense_weights, quantize_linears
@@ -39,6 +40,10 @@ class RunnerConfig:
     kernel_isa: str = "native"  # cpu_kernels.ISA_LEVELS: which build of the CPU kernels
     quantization: str = "none"  # none | int8 | int4
     eos_token_ids: tuple[int, ...] = ()
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
+    mem_fraction_static: float = 0.88  # on a GPU: its memory for weights and KV pool together
+    cuda_graph_max_bs: int = 0  # decode steps up to this many rows replay CUDA graphs (0: none)
+    deterministic: bool = False  # batch-invariant kernels (fixed tiles and split lengths)
 
 
 def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float, shard: TPShard | None = None) -> int:
@@ -52,6 +57,46 @@ def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float, s
     return slots
 
 
+def plan_kv_slots_gpu(config: ModelConfig, dtype: torch.dtype, mem_fraction: float, shard: TPShard,
+                      device: torch.device | str) -> int:
+    """KV slots that fit in `mem_fraction` of the GPU's memory, less what is in use now (the
+    weights, and anything else on the GPU); the rest is left to activations and CUDA graphs."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * mem_fraction - (total - free)
+    per_token = KVPool.bytes_per_token(config.num_layers, shard.num_kv_heads, config.head_dim, dtype)
+    slots = int(max(budget, 0)) // per_token
+    if slots < 16:
+        raise ValueError(f"--mem-fraction-static {mem_fraction}: {(total - free) / 2**30:.1f} of the GPU's "
+                         f"{total / 2**30:.1f} GiB are in use, which leaves only {slots} KV tokens; raise it")
+    return slots
+
+
+# In deterministic mode a decode split spans this many tokens (or more for long contexts: the
+# grid stays within 64 splits), whatever the batch.
+DETERMINISTIC_SPLIT_TOKENS = 256
+
+
+def deterministic_split_tokens(context_len: int) -> int:
+    split = DETERMINISTIC_SPLIT_TOKENS
+    while -(-context_len // split) > 64:
+        split *= 2
+    return split
+
+
+def resolve_attention_backend(name: str, device: str, kernels) -> str:
+    """auto: triton on a GPU, loom's CPU kernel where it is loaded, torch otherwise."""
+    if name not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"--attention-backend {name!r}: choose auto, torch, cpu or triton")
+    if name == "auto":
+        return "triton" if device != "cpu" else ("cpu" if kernels is not None else "torch")
+    if name == "cpu" and kernels is None:
+        raise ValueError("--attention-backend cpu needs loom's CPU kernels (--device cpu, --kernel-backend auto or cpu)")
+    if name == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--attention-backend triton runs on a GPU (on the CPU only through Triton's "
+                         "interpreter, TRITON_INTERPRET=1, for tests)")
+    return name
+
+
 # Linears with up to this many input rows stream their weights through loom's kernel; above it
 # torch's GEMM is faster (measured on AVX2 and AVX-512 CPUs). With bf16 dot products (AVX512-BF16)
 # bfloat16 linears stay faster than torch's GEMM up to DENSE_BF16_ROWS rows (AMD Zen 4: 32 beat it,
@@ -63,6 +108,8 @@ DENSE_BF16_ROWS = 32
 def _load_kernels(backend: str, device: str, isa: str):
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"--kernel-backend {backend!r}: choose auto, torch or cpu")
+    if backend == "cpu" and device != "cpu":
+        raise ValueError(f"--kernel-backend cpu: loom's compiled kernels run on the CPU, not on --device {device}")
     if backend == "torch" or device != "cpu":
         return None
     kernels = cpu_kernels.load(isa)
@@ -84,9 +131,16 @@ class ModelRunner:
         kernels = _load_kernels(rc.kernel_backend, rc.device, rc.kernel_isa)
         self.kernel_backend = "cpu" if kernels is not None else "torch"
         # which build runs, and the instruction sets its code paths use
-        self.kernel_isa = ("none (plain torch ops)" if kernels is None
-                           else cpu_kernels.describe(rc.kernel_isa, kernels.target_macros()))
-        ops = Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)
+        self.on_gpu = rc.device != "cpu"
+        if self.on_gpu:
+            from worker_proc.triton_ops import GpuOps
+
+            ops = GpuOps(rc.deterministic)
+            self.kernel_isa = "triton (GPU)" + (", deterministic" if rc.deterministic else "")
+        else:
+            ops = Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)
+            self.kernel_isa = ("none (plain torch ops)" if kernels is None
+                               else cpu_kernels.describe(rc.kernel_isa, kernels.target_macros()))
         self.tp = tp = tp or TPGroup()
         self.shard = shard = TPShard.of(self.config, tp.rank, tp.size)
         model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len, ops, shard, tp)
@@ -98,11 +152,26 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size()
                                 for t in {id(t): t for t in (*self.model.parameters(), *self.model.buffers())
                                           if t is not None}.values())
-        self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb, shard)
+        if self.on_gpu:
+            self.num_slots = plan_kv_slots_gpu(self.config, rc.dtype, rc.mem_fraction_static, shard, rc.device)
+        else:
+            self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb, shard)
         self.pool = KVPool(self.config.num_layers, self.num_slots, shard.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)
-        if kernels is not None:
+        self.attention_backend = resolve_attention_backend(rc.attention_backend, rc.device, kernels)
+        if rc.deterministic and not (self.on_gpu and self.attention_backend == "triton"):
+            raise ValueError("--enable-deterministic-inference: the batch-invariant kernels are the GPU's "
+                             "(--device cuda with --attention-backend triton)")
+        # per-step tables reach the device (or the Triton interpreter) through one staging buffer
+        self.staging = HostStaging(rc.device) if self.on_gpu or self.attention_backend == "triton" else None
+        if self.attention_backend == "cpu":
             self.attn = PagedKernelAttention(self.pool, self.config.head_dim, kernels)
+        elif self.attention_backend == "triton":
+            from worker_proc.attention import TritonAttention
+
+            num_sms = torch.cuda.get_device_properties(rc.device).multi_processor_count if self.on_gpu else 1
+            split = deterministic_split_tokens(self.context_len) if rc.deterministic else 0
+            self.attn = TritonAttention(self.pool, self.config.head_dim, self.staging, num_sms, split)
         else:
             self.attn = TorchAttention(self.pool, shard.num_heads, self.config.head_dim)
         # Greedy rows need only the index of each row's largest logit.
@@ -112,6 +181,16 @@ class ModelRunner:
         self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.prompt_tokens = PromptTokenMask(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.futures = FutureMap(rc.max_running_requests)  # sampled ids a later step references
+        self.graphs = None
+        if self.on_gpu and rc.cuda_graph_max_bs > 0 and self.attention_backend == "triton":
+            if tp.size > 1:
+                log.info("CUDA graphs are off with tensor parallelism (collectives are not captured)")
+            else:
+                from worker_proc.cuda_graph import DecodeGraphs
+
+                self.graphs = DecodeGraphs(self.model, self.attn, min(rc.cuda_graph_max_bs, rc.max_running_requests),
+                                           rc.device)
+                self.graphs.capture()
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> list[int]:
@@ -133,11 +212,14 @@ class ModelRunner:
         self.futures.resolve(fb.input_ids)
         if batch.prefix_tables:
             self._apply_prefix_tables(batch, fb)
-        self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
-        self.attn.prepare(fb)
         if batch.track_tokens:
             self._record_tokens(fb, batch.prompt_lens)
-        model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
+        if self.staging is None:
+            self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
+            self.attn.prepare(fb)
+            model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
+        else:
+            model_logits = self._forward_on_device(fb)
         if not batch.sampling or model_logits is None:  # (None: a tensor-parallel rank other than 0)
             return [], []
         pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
@@ -158,6 +240,30 @@ class ModelRunner:
         out = [TokenLogprobs(chosen[i], list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])))
                if p.logprobs else None for i, p in enumerate(batch.sampling)]
         return ids.tolist(), out
+
+    def _forward_on_device(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """The forward pass with the step's tensors on the device: one upload of its tables, one
+        scatter into req_to_token, then a CUDA graph's replay (a decode step it covers) or the
+        eager model."""
+        self.staging.begin_step()
+        n = len(fb.extend_lens)
+        req_of_token = np.repeat(fb.req_pool_indices, fb.extend_lens)
+        if self.graphs is not None and n <= self.graphs.max_bs and len(fb.input_ids) == n:
+            bs = self.graphs.padded_size(n)
+            pad = bs - n
+            ids, positions, loc, reqs, lens, logit_rows = self.staging.upload([
+                np.pad(fb.input_ids.numpy(), (0, pad)), np.pad(fb.positions.numpy(), (0, pad)),
+                np.pad(fb.slots, (0, pad)), np.pad(fb.req_pool_indices, (0, pad)),
+                np.pad(fb.prefix_lens + 1, (0, pad), constant_values=1), fb.logit_rows.numpy()])
+            self.pool.write_rows(reqs[:n], positions[:n], loc[:n])
+            logits = self.graphs.replay(bs, ids, positions, loc, reqs, lens)
+            return logits.index_select(0, logit_rows)
+        ids, positions, loc, logit_rows, reqs = self.staging.upload([
+            fb.input_ids.numpy(), fb.positions.numpy(), fb.slots, fb.logit_rows.numpy(), req_of_token])
+        self.pool.write_rows(reqs, positions, loc)
+        fb.input_ids, fb.positions, fb.out_cache_loc, fb.logit_rows = ids, positions, loc, logit_rows
+        self.attn.prepare(fb)
+        return self.model(ids, positions, self.attn, logit_rows)
 
     def _apply_prefix_tables(self, batch: ModelWorkerBatch, fb: ForwardBatch) -> None:
         """Requests that start on a cached prefix: their req_to_token rows learn its slots, and

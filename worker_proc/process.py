@@ -31,6 +31,8 @@ def main(config: ChildConfig, report_ready) -> None:
 
     torch.set_num_threads(args.get("num_threads") or max(1, (os.cpu_count() or 1) // (tp_size * args["dp_size"])))
     try:
+        if args["device"] == "cuda":  # one GPU per worker of this host, in launch order
+            torch.cuda.set_device((config.dp_rank * tp_size + rank) % torch.cuda.device_count())
         tp = (TPGroup.connect(rank, tp_size, args["dist_init_addrs"][config.dp_rank], args["device"])
               if tp_size > 1 else TPGroup())
         dtypes = list(DTYPES.values())
@@ -42,18 +44,23 @@ def main(config: ChildConfig, report_ready) -> None:
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
             device=args["device"], kernel_backend=args["kernel_backend"],
             kernel_isa=args["kernel_isa"], quantization=args["quantization"],
-            eos_token_ids=tuple(args.get("eos_token_ids") or ())), tp)
+            eos_token_ids=tuple(args.get("eos_token_ids") or ()), attention_backend=args["attention_backend"],
+            mem_fraction_static=args["mem_fraction_static"],
+            cuda_graph_max_bs=0 if args["disable_cuda_graph"] else args["cuda_graph_max_bs"],
+            deterministic=args["enable_deterministic_inference"]), tp)
     except Exception as e:
         results.send(WorkerError(f"tp rank {rank}: {type(e).__name__}: {e}"))
         raise
     dtype_name = str(dtype).removeprefix("torch.")
-    log.info("%s; %d threads; KV pool %d tokens; kernels %s; quantization %s%s", why, torch.get_num_threads(),
-             runner.num_slots, runner.kernel_isa, args["quantization"],
+    log.info("%s; %d threads; KV pool %d tokens; kernels %s; attention %s; quantization %s%s", why,
+             torch.get_num_threads(), runner.num_slots, runner.kernel_isa, runner.attention_backend, args["quantization"],
              f"; tp rank {rank} of {tp_size}" if tp_size > 1 else "")
     results.send(WorkerReady(runner.num_slots, runner.context_len, dtype_name, args["device"]))
     report_ready({"kv_slots": runner.num_slots, "dtype": dtype_name, "dtype_reason": why,
                   "threads": torch.get_num_threads(), "kernel_backend": runner.kernel_backend,
-                  "kernel_isa": runner.kernel_isa, "quantization": args["quantization"],
+                  "kernel_isa": runner.kernel_isa, "attention_backend": runner.attention_backend,
+                  "cuda_graph_max_bs": runner.graphs.max_bs if runner.graphs is not None else 0,
+                  "quantization": args["quantization"],
                   "tp_rank": rank, "weight_bytes": runner.weight_bytes})
     last_end = None  # when the previous forward ended: the gap before the next is the scheduler's
     # a scheduler on another host (tcp): its going away only shows as the connection closing

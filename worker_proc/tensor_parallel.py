@@ -79,8 +79,9 @@ class TPGroup:
     """The collectives of one tensor-parallel group (no-ops at size 1). `collective_s` adds up the
     seconds spent in them (waiting for the other ranks included): the step trace reports it."""
 
-    def __init__(self, rank: int = 0, size: int = 1):
+    def __init__(self, rank: int = 0, size: int = 1, device: str = "cpu"):
         self.rank, self.size = rank, size
+        self.device = device  # where the small tensors of broadcasts live (NCCL takes GPU tensors only)
         self.collective_s = 0.0
 
     @classmethod
@@ -89,7 +90,7 @@ class TPGroup:
 
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size)
-        return cls(rank, size)
+        return cls(rank, size, device)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the ranks, in place; returns it."""
@@ -129,7 +130,7 @@ class TPGroup:
             return index
         import torch.distributed as dist
 
-        box = torch.tensor([index], dtype=torch.int64)
+        box = torch.tensor([index], dtype=torch.int64, device=self.device)
         dist.broadcast(box, src=0)
         return int(box.item())
 
@@ -137,7 +138,7 @@ class TPGroup:
         """rank 0's n token ids on every rank."""
         import torch.distributed as dist
 
-        box = torch.tensor(ids if self.rank == 0 else [0] * n, dtype=torch.int64)
+        box = torch.tensor(ids if self.rank == 0 else [0] * n, dtype=torch.int64, device=self.device)
         start = time.perf_counter()
         dist.broadcast(box, src=0)
         self.collective_s += time.perf_counter() - start
