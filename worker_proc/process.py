@@ -42,7 +42,10 @@ def main(config: ChildConfig, report_ready) -> None:
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
             device=args["device"], kernel_backend=args["kernel_backend"],
             kernel_isa=args["kernel_isa"], quantization=args["quantization"],
-            eos_token_ids=tuple(args.get("eos_token_ids") or ())), tp)
+            eos_token_ids=tuple(args.get("eos_token_ids") or ()),
+            dllm_algorithm=args.get("dllm_algorithm"), dllm_block_size=args.get("dllm_block_size"),
+            dllm_threshold=args.get("dllm_threshold", 0.95), dllm_edit_threshold=args.get("dllm_edit_threshold", 0.9),
+            dllm_max_post_edit_steps=args.get("dllm_max_post_edit_steps", 4)), tp)
     except Exception as e:
         results.send(WorkerError(f"tp rank {rank}: {type(e).__name__}: {e}"))
         raise
@@ -75,13 +78,16 @@ def main(config: ChildConfig, report_ready) -> None:
         t, collective = time.perf_counter(), tp.collective_s
         gap = t - last_end if last_end is not None else 0.0
         try:
-            ids, logprobs = runner.forward_with_logprobs(msg)
+            if msg.dllm is not None:
+                ids, logprobs, dllm = [], [], runner.forward_dllm(msg)
+            else:
+                (ids, logprobs), dllm = runner.forward_with_logprobs(msg), None
         except Exception as e:
             results.send(WorkerError(f"tp rank {rank}: forward failed at step {msg.step}: {type(e).__name__}: {e}"))
             raise
         last_end = time.perf_counter()
         if rank == 0:
-            results.send(BatchResult(msg.step, ids, last_end - t, logprobs, tp.collective_s - collective, gap))
+            results.send(BatchResult(msg.step, ids, last_end - t, logprobs, tp.collective_s - collective, gap, dllm))
 
 
 if __name__ == "__main__":
