@@ -165,31 +165,35 @@ def test_fdfo_and_sync_give_the_same_tokens_at_batch_1(checkpoint, prompts, algo
     assert loom_alone(runner, prompts[:2], fdfo=True, **seeded) == loom_alone(runner, prompts[:2], fdfo=False, **seeded)
 
 
-def rounds_of_first_block(runner, prompt) -> int:
+def rounds_of_first_block(runner, prompt, new_tokens: int) -> int:
     core = make_core(runner, fdfo=False)
-    run_core(core, runner, [Req("probe", list(prompt), SamplingParams(**{**GREEDY, "max_new_tokens": 1}))])
+    run_core(core, runner, [Req("probe", list(prompt), SamplingParams(**{**GREEDY, "max_new_tokens": new_tokens}))])
     return core.stats()["dllm_rounds"]
+
+
+FAST_NEW = 2  # a fast request: its prompt fills all but FAST_NEW positions of its only block
 
 
 @pytest.fixture(scope="module")
 def slow_and_fast(checkpoint):
-    """Prompts whose first block needs the most rounds, and ones that need at most half as many."""
+    """A block-aligned prompt whose first block (all masks) takes the most rounds, and prompts
+    that leave FAST_NEW masks in their block (at most FAST_NEW rounds)."""
     runner = runner_for(checkpoint, "low_confidence")
     g = torch.Generator().manual_seed(3)
-    candidates = [torch.randint(3, 990, (BLOCK,), generator=g).tolist() for _ in range(12)]
-    rounds = [rounds_of_first_block(runner, p) for p in candidates]
-    slow = candidates[int(np.argmax(rounds))]
-    fast = [p for p, r in zip(candidates, rounds) if 2 * r <= max(rounds)]
-    assert len(fast) >= 4, rounds  # the model's confidence varies by prompt
-    return slow, fast[:4], max(rounds)
+    candidates = [torch.randint(3, 990, (BLOCK,), generator=g).tolist() for _ in range(6)]
+    rounds = [rounds_of_first_block(runner, p, BLOCK) for p in candidates]
+    fast = [torch.randint(3, 990, (2 * BLOCK - FAST_NEW,), generator=g).tolist() for _ in range(4)]
+    assert max(rounds) >= 2 * FAST_NEW + 2, rounds
+    return candidates[int(np.argmax(rounds))], fast, max(rounds)
 
 
 def lifecycle(runner, slow, fast, fdfo, in_place):
     """The slow request and two fast ones run (3 at most), two more fast ones wait; records each
     step: its rows, accept lengths, allocator counters."""
     core = make_core(runner, fdfo, in_place, max_running=3)
-    params = SamplingParams(**{**GREEDY, "max_new_tokens": BLOCK})  # one block each
-    reqs = [Req("slow", list(slow), params)] + [Req(f"fast{i}", list(p), params) for i, p in enumerate(fast)]
+    reqs = [Req("slow", list(slow), SamplingParams(**{**GREEDY, "max_new_tokens": BLOCK}))]
+    reqs += [Req(f"fast{i}", list(p), SamplingParams(**{**GREEDY, "max_new_tokens": FAST_NEW}))
+             for i, p in enumerate(fast)]
     steps = []
 
     def on_step(batch, result, outputs):
@@ -199,7 +203,7 @@ def lifecycle(runner, slow, fast, fdfo, in_place):
                           freed=core.token_pool.freed_total, committed=[o.req.rid for o in outputs]))
 
     run_core(core, runner, reqs, on_step)
-    assert all(len(r.output_ids) == BLOCK for r in reqs)
+    assert [len(r.output_ids) for r in reqs] == [BLOCK] + [FAST_NEW] * 4
     return core, reqs, steps
 
 
@@ -250,17 +254,24 @@ def test_without_in_place_reuse_unfinished_blocks_churn_and_return_every_round(c
 def test_abort_frees_an_in_flight_block_and_the_cache_holds_only_final_blocks(checkpoint, prompts):
     runner = runner_for(checkpoint, "low_confidence")
     core = make_core(runner)
-    long_prompt = prompts[3]  # 21 tokens: two whole blocks cached at most
+    long_prompt = prompts[3]  # 21 tokens: two whole prompt blocks, the third shared with the output
     req = Req("a", list(long_prompt), SamplingParams(**GREEDY))
     assert core.add_request(req) is None
     batch, _ = core.next_batch()
     assert batch.rows[0].extend_len == 3 * BLOCK  # two prompt blocks + the first block
+    core.on_dllm_result(batch, runner.forward_dllm(batch.to_worker_batch()))  # (FDFO: it returns done)
+    assert len(req.output_ids) == 3 and req.dllm_kv_valid == 2 * BLOCK
+    batch, _ = core.next_batch()
+    assert (batch.rows[0].prefix_len, batch.rows[0].extend_len) == (2 * BLOCK, 2 * BLOCK)  # recompute + new block
+    free_before = core.token_pool.num_free
     result = runner.forward_dllm(batch.to_worker_batch())
-    core.abort("a")  # while its block is (as far as the core knows) in flight
+    core.abort("a")  # while the step runs
     assert req.state is ReqState.FINISHED and core.on_dllm_result(batch, result) == []
     assert not core.idle_leaks()
-    # only the two prompt blocks (KV of final ids) stayed in the prefix cache
+    # the two prompt blocks (KV of final ids) went into the prefix cache; the committed block
+    # (recomputed only by the step in flight) and the block in flight were freed
     assert core.cache.total_size == 2 * BLOCK
+    assert core.token_pool.num_free == free_before + 2 * BLOCK
     again = Req("b", list(long_prompt), SamplingParams(**GREEDY))
     run_core(core, runner, [again])
     assert again.cached_tokens == 2 * BLOCK
