@@ -307,21 +307,25 @@ def served_checkpoint(checkpoint, default_model_dir):
     return with_tokenizer(checkpoint, default_model_dir)
 
 
-def test_engine_streams_one_chunk_per_committed_block(served_checkpoint, checkpoint, prompts):
+def test_engine_with_data_and_tensor_parallel_ranks_streams_one_chunk_per_block(served_checkpoint, checkpoint,
+                                                                               prompts):
+    """--dp-size 2 x --tp-size 2 (rank 0 of each group runs the algorithm and shares its ids): the
+    tokens of one in-process rank; a stream gets one chunk per committed block."""
     from launch import Engine
 
     expected = loom_alone(runner_for(checkpoint, "low_confidence"), prompts)
-    with Engine(model_path=str(served_checkpoint), dtype="float32", kv_cache_gb=0.05, log_level="warning",
+    with Engine(model_path=str(served_checkpoint), dtype="float32", kv_cache_gb=0.1, log_level="warning",
                 dllm_algorithm="low_confidence", dllm_block_size=BLOCK, dllm_threshold=THRESHOLD,
-                page_size=BLOCK) as engine:
+                page_size=BLOCK, dp_size=2, tp_size=2) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == expected
         chunks = list(engine.generate(input_ids=prompts[1], sampling_params=GREEDY, stream=True))
         sizes = np.diff([0] + [len(c["output_ids"]) for c in chunks]).tolist()
-        # prompt of 13: the first block holds 5 prompt tokens and 3 outputs, then 8, then the cut 9
-        assert sizes == [3, 8, 9] and chunks[-1]["output_ids"] == expected[1]
+        # prompt of 13: its block 1 holds 5 prompt tokens and 3 outputs; blocks 2 and 3; 1 of block 4
+        assert sizes == [3, 8, 8, 1] and chunks[-1]["output_ids"] == expected[1]
         stats = engine.get_stats()
         assert stats["dllm_blocks_committed"] > 0 and stats["dllm_rounds"] >= stats["dllm_steps"]
+        assert all(rank["dllm_steps"] > 0 for rank in stats["dp_ranks"])
 
 
 def test_http_native_and_openai_stream_blocks(served_checkpoint, checkpoint, prompts):
