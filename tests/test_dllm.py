@@ -302,6 +302,12 @@ def test_page_size_must_be_a_multiple_of_the_block(checkpoint):
 
 # ---- Engine and HTTP ---------------------------------------------------------------------------
 
+def streamed_at_block_ends(lengths: list[int], block_ends: list[int]) -> bool:
+    """A stream's cumulative output lengths all fall where blocks commit, rising to the end
+    (never a partial block; usually one chunk per block)."""
+    return lengths == sorted(set(lengths)) and set(lengths) <= set(block_ends) and lengths[-1] == block_ends[-1]
+
+
 @pytest.fixture(scope="module")
 def served_checkpoint(checkpoint, default_model_dir):
     return with_tokenizer(checkpoint, default_model_dir)
@@ -320,9 +326,10 @@ def test_engine_with_data_and_tensor_parallel_ranks_streams_one_chunk_per_block(
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == expected
         chunks = list(engine.generate(input_ids=prompts[1], sampling_params=GREEDY, stream=True))
-        sizes = np.diff([0] + [len(c["output_ids"]) for c in chunks]).tolist()
-        # prompt of 13: its block 1 holds 5 prompt tokens and 3 outputs; blocks 2 and 3; 1 of block 4
-        assert sizes == [3, 8, 8, 1] and chunks[-1]["output_ids"] == expected[1]
+        # prompt of 13: its block 1 holds 5 prompt tokens and 3 outputs; blocks 2 and 3; 1 of block 4.
+        # Chunks end where blocks commit (a consumer that lags gets several blocks in one chunk).
+        assert streamed_at_block_ends([len(c["output_ids"]) for c in chunks], [3, 11, 19, 20])
+        assert chunks[-1]["output_ids"] == expected[1]
         stats = engine.get_stats()
         assert stats["dllm_blocks_committed"] > 0 and stats["dllm_rounds"] >= stats["dllm_steps"]
         assert all(rank["dllm_steps"] > 0 for rank in stats["dp_ranks"])
@@ -341,7 +348,8 @@ def test_http_native_and_openai_stream_blocks(served_checkpoint, checkpoint, pro
         body = {"input_ids": prompts[0], "sampling_params": GREEDY, "stream": True}
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        assert [len(e["output_ids"]) for e in events] == [3, 11, 19, 20]  # prompt of 5: 3 outputs in its block
+        # prompt of 5: 3 outputs in its block, then 8, 8 and the last 1
+        assert streamed_at_block_ends([len(e["output_ids"]) for e in events], [3, 11, 19, 20]), events
         assert events[-1]["output_ids"] == expected
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
