@@ -31,9 +31,10 @@ from scheduler_proc.load_balancer import LOAD_BALANCE_METHODS
 from scheduler_proc.policies import QUEUE_POLICIES
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES
 from worker_proc.cpu_kernels import ISA_LEVELS
+from worker_proc.dllm_algorithms import DLLM_ALGORITHMS
 from worker_proc.dtype_probe import DTYPES
 from worker_proc.linear import QUANTIZATIONS
-from worker_proc.model_config import ModelConfig
+from worker_proc.model_config import ModelConfig, dllm_block_size, dllm_mask_token_id
 from worker_proc.tensor_parallel import TPShard
 
 log = logging.getLogger("loom")
@@ -135,6 +136,24 @@ class ServerArgs:
     load_balance_method: str = _arg("round_robin", "how the DP controller picks a rank for each request (a "
                                                    "request's routed_dp_rank overrides it)",
                                     choices=tuple(LOAD_BALANCE_METHODS.names()))
+    dllm_algorithm: str | None = _arg(None, "serve a block-diffusion model (its config.json names mask_token_id) with "
+                                            "this algorithm: low_confidence fills the masked positions whose top "
+                                            "token clears --dllm-threshold (at least one per round); "
+                                            "joint_threshold also edits filled positions (--dllm-edit-threshold, "
+                                            "--dllm-max-post-edit-steps)", choices=tuple(DLLM_ALGORITHMS.names()))
+    dllm_block_size: int | None = _arg(None, "positions per diffusion block (default: the checkpoint's block_size, "
+                                             "else 32); --page-size must be a multiple of it")
+    dllm_threshold: float = _arg(0.95, "diffusion: a masked position whose top token is at least this likely is "
+                                       "filled")
+    dllm_edit_threshold: float = _arg(0.9, "joint_threshold: a filled output position changes to a different top "
+                                           "token at least this likely")
+    dllm_max_post_edit_steps: int = _arg(4, "joint_threshold: edit-only rounds a block may run after its last mask")
+    dllm_fdfo: bool = _arg(True, "diffusion: first done, first out: the scheduler takes each round's finished "
+                                 "blocks at once (commit, stream, admit) while the others continue "
+                                 "(--no-dllm-fdfo: sync, a step runs rounds until every block of the batch is done)")
+    dllm_in_place: bool = _arg(True, "diffusion with FDFO: an unfinished block keeps its KV and request slots between "
+                                     "rounds, and the worker re-runs rounds that finish no block without a scheduler "
+                                     "round-trip (off: its KV is freed and allocated again each round)")
     served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
     api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
@@ -144,7 +163,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices, value = f.metadata["choices"], getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value not in choices and value is not None:
                 raise ValueError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
         if self.device == "auto":
             self.device = "cuda" if _cuda_available() else "cpu"
@@ -210,6 +229,17 @@ def flags_markdown() -> str:
         help_text = f.metadata["help"].replace("|", "\\|")
         rows.append(f"| `{flag}` | `{f.default}` | {values} | {help_text} |")
     return "\n".join(rows) + "\n"
+
+
+def check_dllm(args: ServerArgs, config: ModelConfig) -> None:
+    """A diffusion set-up that cannot work is refused before anything starts."""
+    if args.dllm_algorithm is None:
+        return
+    block = dllm_block_size(config, args.dllm_block_size)
+    dllm_mask_token_id(config)
+    if args.page_size % block:
+        raise ValueError(f"--page-size {args.page_size} is not a multiple of the diffusion block size {block}: the "
+                         f"prefix cache must hold whole blocks (pass --page-size {block})")
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
@@ -354,7 +384,9 @@ def _prepare(args: ServerArgs):
 
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
     model_dir = resolve_model_path(args.model_path)
-    TPShard.of(ModelConfig.from_dir(model_dir), 0, args.tp_size)  # a size that does not divide the model: refused now
+    model_config = ModelConfig.from_dir(model_dir)
+    TPShard.of(model_config, 0, args.tp_size)  # a size that does not divide the model: refused now
+    check_dllm(args, model_config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
     launcher.start()
@@ -387,7 +419,8 @@ class Engine:
 
         async def make_manager():
             m = TokenizerManager(self.launcher.endpoints, self.tokenizer, self.server_info["max_context_len"],
-                                 self.args.max_queued_requests, self.args.dp_size)
+                                 self.args.max_queued_requests, self.args.dp_size,
+                                 self.args.dllm_algorithm is not None)
             m.start()
             return m
 
@@ -569,7 +602,7 @@ def serve(args: ServerArgs) -> None:
 
     async def run() -> None:
         manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"], args.max_queued_requests,
-                                   args.dp_size)
+                                   args.dp_size, args.dllm_algorithm is not None)
         manager.start()
         zmq_port = args.port + 1 if args.zmq_port is None else args.zmq_port
         frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}")

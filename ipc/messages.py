@@ -128,6 +128,34 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     future_slots: list[int] = []
     # tensor parallelism under overlap: rank 0 shares the sampled ids so every rank's map has them
     share_samples: bool = False
+    dllm: DllmStep | None = None  # a step of diffusion rounds instead of one sampled token per row
+
+
+class JointThresholdState(msgspec.Struct, tag="joint_threshold", array_like=True):
+    """The joint-threshold algorithm's private state for one block (worker_proc/dllm_algorithms.py)."""
+
+    prompt_mask: list[bool]  # block positions that hold prompt tokens: never edited
+    post_edit_steps: int = 0  # edit-only rounds run since the block's last mask was filled
+
+
+# A diffusion algorithm's per-block state, carried opaquely on the scheduler's Req between rounds
+# (one Struct per stateful algorithm, decoded by tag: no pickle).
+DllmAlgoState = JointThresholdState
+
+
+class DllmStep(msgspec.Struct, array_like=True):
+    """A step of block-diffusion rounds (--dllm-algorithm): each row's last block_size positions
+    are its block being denoised (its other positions, block-aligned, are committed tokens whose
+    KV is computed from their final ids); attention is block-causal."""
+
+    block_size: int
+    # return as soon as a round finishes some block (first done, first out); False: run rounds
+    # until every block of the step is done
+    fdfo: bool
+    # (fdfo) a round that finishes no block is followed by another on the same rows, in the
+    # worker, without returning; False: return after one round
+    reloop: bool
+    algo_states: list[DllmAlgoState | None]  # per row, as the last round left it (None: a new block)
 
 
 class PrefixTable(msgspec.Struct, array_like=True):
@@ -174,6 +202,18 @@ class BatchResult(msgspec.Struct, tag=True):
     logprobs: list[TokenLogprobs | None] = []  # one per sample row when any row asked
     collective_s: float = 0.0  # of forward_s, rank 0's time in tensor-parallel collectives
     gap_s: float = 0.0  # the worker's wait between the end of its previous forward and this one
+    dllm: "DllmResult | None" = None  # the rounds' outcome, for a DllmStep
+
+
+class DllmResult(msgspec.Struct, array_like=True):
+    """What a DllmStep's rounds left, per row: its block's ids (int32), the accept length
+    (block_size: the block is done and commits; 0: not done, it continues next step from these
+    ids and its algorithm state) and the state; and how many forward rounds ran."""
+
+    blocks: list[bytes]
+    accept_lens: list[int]
+    algo_states: list[DllmAlgoState | None]
+    rounds: int
 
 
 class WorkerError(msgspec.Struct, tag=True):

@@ -23,6 +23,10 @@ thus feeds the not-yet-known token by reference, resolved inside the worker; the
 applies every result before planning again, so its steps never carry one. A request found
 finished one step late drops the placeholder of the step after (that row's token is ignored and
 its KV slot freed with the rest of the request's).
+
+Block diffusion (config.dllm_block_size > 0): the steps are rounds of a diffusion model over
+each request's block instead of one sampled token per row; scheduler_proc/dllm.py plans them
+and applies their results (`on_dllm_result`), with the same queues, pools and prefix cache.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ipc.messages import FinishReason, future_capacity
+from ipc.messages import DllmResult, FinishReason, future_capacity
 from scheduler_proc.batching import BATCHING_STRATEGIES, BatchingStrategy
+from scheduler_proc.dllm import DllmPlanner
 from scheduler_proc.kv_allocator import ReqSlotAllocator, TokenSlotAllocator
 from scheduler_proc.policies import QUEUE_POLICIES, QueuePolicy, apply_priority
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES, PrefillAdder
@@ -74,11 +79,18 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
     new_token_ratio_decay: float = 0.001
+    # Block diffusion (scheduler_proc/dllm.py): block size (0: autoregressive), the mask id, FDFO
+    # or sync rounds, and in-place reuse of an unfinished block's slots (with worker re-loops).
+    dllm_block_size: int = 0
+    dllm_mask_id: int = -1
+    dllm_fdfo: bool = True
+    dllm_in_place: bool = True
 
     @classmethod
     def from_args(cls, args: dict, max_total_tokens: int, max_context_len: int,
-                  eos_token_ids: tuple[int, ...] = ()) -> "SchedulerConfig":
-        """The configuration the server's flags (ServerArgs, as a dict) give a pool of this size."""
+                  eos_token_ids: tuple[int, ...] = (), **more) -> "SchedulerConfig":
+        """The configuration the server's flags (ServerArgs, as a dict) give a pool of this size
+        (`more`: fields the flags alone do not give, e.g. the diffusion model's)."""
         return cls(
             max_total_tokens=max_total_tokens,
             max_running_requests=args["max_running_requests"],
@@ -101,6 +113,7 @@ class SchedulerConfig:
             enable_radix_cache=not args["disable_radix_cache"],
             page_size=args["page_size"],
             in_batch_prefix_threshold=args["in_batch_prefix_threshold"],
+            **more,
         )
 
 
@@ -142,6 +155,7 @@ class SchedulerCore:
         self.future_capacity = future_capacity(config.max_running_requests)
         self.next_future = 0
         self.retracted_last_step = False  # the last planned step retracted a request
+        self.dllm = DllmPlanner(self) if config.dllm_block_size > 0 else None
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -156,6 +170,10 @@ class SchedulerCore:
                 f"the prompt has {len(req.input_ids)} tokens; this server holds at most "
                 f"{min(limit, self.config.max_total_tokens) - 1}",
             )
+        if self.dllm is not None:
+            refusal = self.dllm.refusal(req)
+            if refusal is not None:
+                return self._finish_now(req, refusal)
         req.state = ReqState.WAITING
         self.waiting.append(req)
         return None
@@ -184,6 +202,13 @@ class SchedulerCore:
         retractions = self.num_retractions
         ended = self._check_timeouts(now) if now is not None else []
         batch = ScheduleBatch(step=self.step)
+        if self.dllm is not None:
+            ended += self.dllm.plan(batch)
+            self.retracted_last_step = self.num_retractions > retractions
+            if not batch.rows:
+                return None, ended
+            self.step += 1
+            return batch, ended
         ended += self.batching.plan(self, batch)
         self.retracted_last_step = self.num_retractions > retractions
         if not batch.rows:
@@ -211,6 +236,8 @@ class SchedulerCore:
             should see the slots that finishing requests free;
           kv-short: the decodes of the next step may not fit the free KV slots (they would
             retract, which the results in flight could make unnecessary)."""
+        if self.dllm is not None:
+            return "dllm"  # a diffusion step's rows continue from its result
         if self.retracted_last_step:
             return "after-retraction"
         in_flight_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in in_flight.rows)
@@ -252,6 +279,11 @@ class SchedulerCore:
                 self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
             )
         return outputs
+
+    def on_dllm_result(self, batch: ScheduleBatch, result: DllmResult) -> list[ReqOutput]:
+        """Apply a diffusion step's result: done blocks commit (one output per request whose
+        block committed), unfinished ones continue next step (scheduler_proc/dllm.py)."""
+        return self.dllm.apply(batch, result)
 
     # ---- planning ----------------------------------------------------------------------
 
@@ -492,8 +524,13 @@ class SchedulerCore:
         tokens the tree had already, tokens past the last whole page, a step planned past its
         end) go back to the pool."""
         slots = req.kv_slots
+        if self.dllm is not None:  # only whole blocks whose KV came from final ids may be cached
+            computed = req.dllm_kv_valid
+            self.dllm.forget(req)
+        else:
+            computed = req.num_computed
         if self.cache is not None:
-            tokens = self._resolved(req, req.num_computed)
+            tokens = self._resolved(req, computed)
             self.cache.insert(tokens, slots[: len(tokens)])
             kept, _ = self.cache.match_prefix(tokens)
             mine = slots[: len(kept)]
@@ -552,6 +589,9 @@ class SchedulerCore:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "cache_hit_rate": self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
+            "kv_slots_allocated_total": self.token_pool.allocated_total,
+            "kv_slots_freed_total": self.token_pool.freed_total,
+            **(self.dllm.stats() if self.dllm is not None else {}),
         }
 
     def idle_leaks(self) -> list[str]:

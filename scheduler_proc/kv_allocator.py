@@ -18,6 +18,8 @@ class TokenSlotAllocator:
         self._free = np.arange(capacity, 0, -1, dtype=np.int32)  # stack: top is slot 1
         self._num_free = capacity
         self._refs = np.zeros(capacity + 1, dtype=np.int32)  # holders per slot (index 0 unused)
+        self.allocated_total = 0  # slots handed out since start (for checks of allocation churn)
+        self.freed_total = 0  # slots returned to the free list since start
 
     @property
     def num_free(self) -> int:
@@ -29,6 +31,7 @@ class TokenSlotAllocator:
         self._num_free -= n
         slots = self._free[self._num_free : self._num_free + n][::-1].copy()
         self._refs[slots] = 1
+        self.allocated_total += n
         return slots
 
     def share(self, slots: np.ndarray) -> None:
@@ -46,6 +49,7 @@ class TokenSlotAllocator:
         self._refs[slots] -= 1
         released = slots[self._refs[slots] == 0]
         n = len(released)
+        self.freed_total += n
         self._free[self._num_free : self._num_free + n] = released[::-1]
         self._num_free += n
 

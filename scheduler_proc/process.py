@@ -54,6 +54,18 @@ class StopChecker:
         return None
 
 
+def dllm_scheduling(args: dict, model_dir: str) -> dict:
+    """The SchedulerConfig fields of block diffusion (none without --dllm-algorithm)."""
+    if not args.get("dllm_algorithm"):
+        return {}
+    from worker_proc.model_config import ModelConfig, dllm_block_size, dllm_mask_token_id
+
+    model = ModelConfig.from_dir(model_dir)
+    return {"dllm_block_size": dllm_block_size(model, args.get("dllm_block_size")),
+            "dllm_mask_id": dllm_mask_token_id(model), "dllm_fdfo": args.get("dllm_fdfo", True),
+            "dllm_in_place": args.get("dllm_in_place", True)}
+
+
 class SchedulerProcess:
     def __init__(self, config: ChildConfig, report_ready):
         args = config.server_args
@@ -70,7 +82,8 @@ class SchedulerProcess:
         self.controller = Sender(ctx, zmq.PUSH, ep.controller_in) if args["dp_size"] > 1 else None
         self.received = 0  # requests received since start
         self.metrics = StepMetrics(args.get("log_interval") or 0)
-        self.overlap = not args.get("disable_overlap_schedule", True)
+        # (a diffusion step's rows continue from its result: nothing to plan ahead)
+        self.overlap = not args.get("disable_overlap_schedule", True) and not args.get("dllm_algorithm")
         self.share_samples = self.overlap and args["tp_size"] > 1  # every TP rank's future map needs them
         self.launched_after_idle: set[int] = set()  # steps whose worker gap is idle time, not overhead
         self.was_idle = True
@@ -100,7 +113,8 @@ class SchedulerProcess:
         decoder = load_decoder(config.model_dir)
         eos = tuple(args.get("eos_token_ids") or ())
         self.core = SchedulerCore(
-            SchedulerConfig.from_args(args, ready.max_total_tokens, ready.max_context_len, eos),
+            SchedulerConfig.from_args(args, ready.max_total_tokens, ready.max_context_len, eos,
+                                      **dllm_scheduling(args, config.model_dir)),
             stop_checker=StopChecker(decoder),
         )
         self.clock = time.monotonic
@@ -207,7 +221,10 @@ class SchedulerProcess:
         line = self.metrics.on_step(result.forward_s, gap, result.collective_s)
         if line:
             log.info(line)
-        self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
+        if result.dllm is not None:
+            self.emit(self.core.on_dllm_result(batch, result.dllm))
+        else:
+            self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
 
     def idle_wait(self) -> None:
         leaks = self.core.idle_leaks()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.messages import FinishReason, SamplingParams
+from ipc.messages import DllmAlgoState, FinishReason, SamplingParams
 
 
 class ReqState(enum.Enum):
@@ -43,6 +43,13 @@ class Req:
     cache_node: object = None  # the prefix cache node it locks (radix_cache.TreeNode)
     prefix_table_due: bool = False  # its next row tells the worker where its cached prefix lies
     in_flight: bool = False  # in a step not yet applied (SchedulerConfig.hold_in_flight only)
+    # Block diffusion (scheduler_proc/dllm.py): the block being denoised, as the last round left
+    # it (None: the next block starts from masks), the algorithm's state for it (opaque here,
+    # handed back verbatim), and how many leading positions have KV computed from their final ids
+    # (whole blocks; kv_slots may reach further, over the block in progress).
+    dllm_incomplete_ids: list[int] | None = None
+    dllm_algo_state: DllmAlgoState | None = None
+    dllm_kv_valid: int = 0
 
     def fill_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole list."""

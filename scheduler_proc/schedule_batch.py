@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.messages import ModelWorkerBatch, PrefixTable
+from ipc.messages import DllmStep, ModelWorkerBatch, PrefixTable
 from scheduler_proc.req import Req
 
 
@@ -25,12 +25,20 @@ class BatchRow:
     # reads it from there: see SchedulerCore's placeholders).
     output_index: int = -1
     future: int = -1
+    # block diffusion: the row's ids (its committed tokens past prefix_len, then its block as the
+    # last round left it), where they are not simply the request's tokens
+    input_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
 class ScheduleBatch:
     step: int
     rows: list[BatchRow] = field(default_factory=list)
+    # block diffusion: each row ends with a block of this many positions; 0: every sampling row
+    # samples one token
+    dllm_block_size: int = 0
+    dllm_fdfo: bool = True
+    dllm_reloop: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +54,8 @@ class ScheduleBatch:
         rows = self.rows
         input_ids: list[int] = []
         for r in rows:
-            input_ids += r.req.fill_slice(r.prefix_len, r.prefix_len + r.extend_len)
+            input_ids += r.input_ids if r.input_ids is not None else r.req.fill_slice(r.prefix_len,
+                                                                                   r.prefix_len + r.extend_len)
         slots = np.concatenate([r.new_slots for r in rows]) if rows else np.empty(0, np.int32)
         sampling_rows = [(i, r) for i, r in enumerate(rows) if r.samples]
         track = any(r.req.sampling.uses_token_history for r in rows)
@@ -68,4 +77,6 @@ class ScheduleBatch:
                                        if r.req.sampling.uses_token_history else b"")
                            for r in rows if r.prefix_table is not None],
             track_tokens=track,
+            dllm=DllmStep(self.dllm_block_size, self.dllm_fdfo, self.dllm_reloop,
+                          [r.req.dllm_algo_state for r in rows]) if self.dllm_block_size else None,
         )

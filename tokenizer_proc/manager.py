@@ -114,8 +114,9 @@ def _log_send_error(fut: asyncio.Future) -> None:
 
 class TokenizerManager:
     def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int, max_queued: int | None = None,
-                 dp_size: int = 1):
+                 dp_size: int = 1, diffusion: bool = False):
         self.tokenizer = tokenizer
+        self.diffusion = diffusion  # a block-diffusion model (--dllm-algorithm): no per-token logprobs
         self.vocab_size = len(tokenizer)
         self.context_len = context_len
         self.max_queued = max_queued
@@ -189,6 +190,9 @@ class TokenizerManager:
             raise RequestError(f"routed_dp_rank must be an integer in 0..{self.dp_size - 1} (this server has "
                                f"--dp-size {self.dp_size}), got {routed_dp_rank!r}")
         sp = parse_sampling_params(sampling)
+        if self.diffusion and (sp.logprobs or sp.top_logprobs):
+            raise RequestError("sampling_params.logprobs: not available with --dllm-algorithm (a diffusion model "
+                               "fills a block's positions over several rounds)")
         bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"sampling_params: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")

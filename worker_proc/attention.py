@@ -5,6 +5,12 @@ step in one call, reading K/V in place from the pool. `TorchAttention` is the pu
 backend: decodes (one new token per request) attend in one batched SDPA call over K/V gathered
 through req_to_token and padded to the longest row; multi-token rows (prompts, chunks) attend
 one request at a time with a causal mask.
+
+Block-diffusion steps (ForwardBatch.block_size > 0) attend block-causally: a token sees every key
+of the blocks before its own and all of its own block. The torch backend builds that mask; the
+compiled kernel, whose rows are causal, gets one single-token row per query token whose key range
+ends where the token's block ends (the decode path, reading the block's K/V, stored before any
+row attends).
 """
 
 from __future__ import annotations
@@ -41,6 +47,14 @@ class PagedKernelAttention:
 
     def prepare(self, batch: ForwardBatch) -> None:
         self.out_cache_loc = batch.out_cache_loc
+        if batch.block_size:
+            block = batch.block_size
+            per_token = batch.positions.numpy()
+            self.rows = (torch.from_numpy(np.repeat(batch.req_pool_indices, batch.extend_lens)),
+                         torch.arange(len(per_token), dtype=torch.int64),
+                         torch.ones(len(per_token), dtype=torch.int64),
+                         torch.from_numpy((per_token // block + 1) * block))
+            return
         self.rows = tuple(torch.from_numpy(a) for a in (
             batch.req_pool_indices, batch.token_starts, batch.extend_lens, batch.prefix_lens + batch.extend_lens))
 
@@ -79,7 +93,7 @@ class TorchAttention:
                 cols = torch.arange(max_len)
                 self.decode_mask = (cols[None, :] < batch.decode_seq_lens[:, None])[:, None, None, :].to(self.device)
         for start, length, prefix, req in batch.extends:
-            if prefix == 0:
+            if prefix == 0 and not batch.block_size:
                 self.extend_slots.append(None)
             else:
                 self.extend_slots.append(self.pool.req_to_token[req, : prefix + length].long())
@@ -129,7 +143,10 @@ class TorchAttention:
                 v_e = full[:, 1].transpose(0, 1).unsqueeze(0)
                 cols = torch.arange(prefix + length, device=q.device)
                 query_pos = torch.arange(length, device=q.device) + prefix
-                mask = cols[None, :] <= query_pos[:, None]
+                if b.block_size:
+                    mask = cols[None, :] // b.block_size <= query_pos[:, None] // b.block_size
+                else:
+                    mask = cols[None, :] <= query_pos[:, None]
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + length] = o[0].transpose(0, 1)
         return out

@@ -30,6 +30,9 @@ class ForwardBatch:
     prefix_lens: np.ndarray
     extend_lens: np.ndarray
     token_starts: np.ndarray
+    # block-diffusion steps: attention is block-causal (a token sees every key of its own block
+    # of this many positions and of the blocks before it); 0: causal
+    block_size: int = 0
 
     @classmethod
     def from_worker_batch(cls, b: ModelWorkerBatch) -> "ForwardBatch":
@@ -41,8 +44,12 @@ class ForwardBatch:
         starts = np.cumsum(ext) - ext
         total = int(ext.sum())
         positions = np.repeat(prefix - starts, ext) + np.arange(total)
-        sample_rows = np.asarray(b.sample_rows, dtype=np.int64)
-        logit_rows = starts[sample_rows] + ext[sample_rows] - 1
+        block = b.dllm.block_size if b.dllm is not None else 0
+        if block:  # unshifted logits: every position of each row's last block predicts itself
+            logit_rows = (np.repeat(starts + ext - block, block) + np.tile(np.arange(block), len(ext)))
+        else:
+            sample_rows = np.asarray(b.sample_rows, dtype=np.int64)
+            logit_rows = starts[sample_rows] + ext[sample_rows] - 1
         single = ext == 1
         decode_tokens = starts[single]
         extends = [(int(starts[i]), int(ext[i]), int(prefix[i]), int(reqs[i])) for i in np.flatnonzero(~single)]
@@ -61,6 +68,35 @@ class ForwardBatch:
             prefix_lens=prefix,
             extend_lens=ext,
             token_starts=starts,
+            block_size=block,
+        )
+
+    @classmethod
+    def blocks_only(cls, req_pool_indices: np.ndarray, block_starts: np.ndarray, block_size: int,
+                    slots: np.ndarray, block_ids: torch.Tensor) -> "ForwardBatch":
+        """A further round of diffusion over blocks already in the req_to_token mirror: each row
+        is one block (prefix = its start, the committed tokens before it), on the same slots."""
+        n = len(req_pool_indices)
+        ext = np.full(n, block_size, dtype=np.int64)
+        starts = np.arange(n, dtype=np.int64) * block_size
+        positions = np.repeat(block_starts, block_size) + np.tile(np.arange(block_size), n)
+        loc = np.ascontiguousarray(slots, dtype=np.int32)
+        return cls(
+            input_ids=block_ids.reshape(-1).to(torch.int64),
+            positions=torch.from_numpy(positions.astype(np.int64)),
+            out_cache_loc=torch.from_numpy(loc.astype(np.int64)),
+            slots=loc,
+            logit_rows=torch.arange(n * block_size),
+            decode_tokens=torch.empty(0, dtype=torch.int64),
+            decode_reqs=torch.empty(0, dtype=torch.int64),
+            decode_seq_lens=torch.empty(0, dtype=torch.int64),
+            decode_is_prefix=True,
+            extends=[(int(starts[i]), block_size, int(block_starts[i]), int(req_pool_indices[i])) for i in range(n)],
+            req_pool_indices=np.asarray(req_pool_indices, dtype=np.int64),
+            prefix_lens=np.asarray(block_starts, dtype=np.int64),
+            extend_lens=ext,
+            token_starts=starts,
+            block_size=block_size,
         )
 
 

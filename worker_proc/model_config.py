@@ -33,6 +33,10 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    # block-diffusion checkpoints: the id that marks a position not yet filled, and the block size
+    # the model was trained with (None where the config does not say)
+    mask_token_id: int | None = None
+    block_size: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -75,4 +79,23 @@ class ModelConfig:
             qkv_bias=bias,
             qk_norm=qk_norm,
             eos_token_ids=eos_ids,
+            mask_token_id=raw.get("mask_token_id"),
+            block_size=raw.get("block_size") or raw.get("bd_size"),
         )
+
+
+def dllm_block_size(config: ModelConfig, flag: int | None) -> int:
+    """--dllm-block-size, else the checkpoint's block size, else 32."""
+    size = flag or config.block_size or 32
+    if size < 1:
+        raise ValueError(f"--dllm-block-size {size}: at least 1")
+    return size
+
+
+def dllm_mask_token_id(config: ModelConfig) -> int:
+    if config.mask_token_id is None:
+        raise ValueError("--dllm-algorithm: the checkpoint's config.json has no mask_token_id (a block-diffusion "
+                         "model names the id of its mask token there)")
+    if not 0 <= config.mask_token_id < config.vocab_size:
+        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the vocabulary ({config.vocab_size})")
+    return config.mask_token_id

@@ -17,7 +17,7 @@ from worker_proc.forward_batch import ForwardBatch, HostStaging
 from worker_proc.future_map import FutureMap
 from worker_proc.kv_cache import KVPool
 from worker_proc.linear import pack_dense_weights, quantize_linears
-from worker_proc.model_config import ModelConfig
+from worker_proc.model_config import ModelConfig, dllm_block_size, dllm_mask_token_id
 from worker_proc.model_loader import iter_checkpoint_tensors
 from worker_proc.models import MODEL_CLASSES
 from worker_proc.ops import Ops
@@ -44,6 +44,13 @@ class RunnerConfig:
     mem_fraction_static: float = 0.88  # on a GPU: its memory for weights and KV pool together
     cuda_graph_max_bs: int = 0  # decode steps up to this many rows replay CUDA graphs (0: none)
     deterministic: bool = False  # batch-invariant kernels (fixed tiles and split lengths)
+    # block diffusion (--dllm-algorithm): the algorithm, block size (None: the model config's) and
+    # its thresholds
+    dllm_algorithm: str | None = None
+    dllm_block_size: int | None = None
+    dllm_threshold: float = 0.95
+    dllm_edit_threshold: float = 0.9
+    dllm_max_post_edit_steps: int = 4
 
 
 def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float, shard: TPShard | None = None) -> int:
@@ -191,6 +198,15 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, self.attn, min(rc.cuda_graph_max_bs, rc.max_running_requests),
                                            rc.device)
                 self.graphs.capture()
+        self.dllm = None
+        if rc.dllm_algorithm is not None:
+            from worker_proc.dllm import DllmRunner
+            from worker_proc.dllm_algorithms import DllmAlgoConfig
+
+            self.dllm = DllmRunner(self, rc.dllm_algorithm, DllmAlgoConfig(
+                mask_id=dllm_mask_token_id(self.config), block_size=dllm_block_size(self.config, rc.dllm_block_size),
+                threshold=rc.dllm_threshold, edit_threshold=rc.dllm_edit_threshold,
+                max_post_edit_steps=rc.dllm_max_post_edit_steps))
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> list[int]:
@@ -264,6 +280,13 @@ class ModelRunner:
         fb.input_ids, fb.positions, fb.out_cache_loc, fb.logit_rows = ids, positions, loc, logit_rows
         self.attn.prepare(fb)
         return self.model(ids, positions, self.attn, logit_rows)
+    @torch.inference_mode()
+    def forward_dllm(self, batch: ModelWorkerBatch):
+        """A step of block-diffusion rounds (worker_proc/dllm.py): the rows' blocks, accept
+        lengths and algorithm states (None on tensor-parallel ranks other than 0)."""
+        if self.dllm is None:
+            raise RuntimeError("a diffusion step reached a worker started without --dllm-algorithm")
+        return self.dllm.run(batch)
 
     def _apply_prefix_tables(self, batch: ModelWorkerBatch, fb: ForwardBatch) -> None:
         """Requests that start on a cached prefix: their req_to_token rows learn its slots, and

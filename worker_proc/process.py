@@ -47,7 +47,10 @@ def main(config: ChildConfig, report_ready) -> None:
             eos_token_ids=tuple(args.get("eos_token_ids") or ()), attention_backend=args["attention_backend"],
             mem_fraction_static=args["mem_fraction_static"],
             cuda_graph_max_bs=0 if args["disable_cuda_graph"] else args["cuda_graph_max_bs"],
-            deterministic=args["enable_deterministic_inference"]), tp)
+            deterministic=args["enable_deterministic_inference"],
+            dllm_algorithm=args.get("dllm_algorithm"), dllm_block_size=args.get("dllm_block_size"),
+            dllm_threshold=args.get("dllm_threshold", 0.95), dllm_edit_threshold=args.get("dllm_edit_threshold", 0.9),
+            dllm_max_post_edit_steps=args.get("dllm_max_post_edit_steps", 4)), tp)
     except Exception as e:
         results.send(WorkerError(f"tp rank {rank}: {type(e).__name__}: {e}"))
         raise
@@ -82,13 +85,16 @@ def main(config: ChildConfig, report_ready) -> None:
         t, collective = time.perf_counter(), tp.collective_s
         gap = t - last_end if last_end is not None else 0.0
         try:
-            ids, logprobs = runner.forward_with_logprobs(msg)
+            if msg.dllm is not None:
+                ids, logprobs, dllm = [], [], runner.forward_dllm(msg)
+            else:
+                (ids, logprobs), dllm = runner.forward_with_logprobs(msg), None
         except Exception as e:
             results.send(WorkerError(f"tp rank {rank}: forward failed at step {msg.step}: {type(e).__name__}: {e}"))
             raise
         last_end = time.perf_counter()
         if rank == 0:
-            results.send(BatchResult(msg.step, ids, last_end - t, logprobs, tp.collective_s - collective, gap))
+            results.send(BatchResult(msg.step, ids, last_end - t, logprobs, tp.collective_s - collective, gap, dllm))
 
 
 if __name__ == "__main__":
