@@ -89,7 +89,7 @@ class DllmPlanner:
                 ended.append(core._finish(core.running[0], FinishReason(
                     "abort", message="the KV cache is too small to continue this request")))
             else:
-                core._retract(core._retraction_victim())
+                core._retract(core.batching.victim(core))
         for req in core.running:
             self._add_row(batch, req)
         self._admit(batch)
