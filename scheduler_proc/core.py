@@ -91,30 +91,13 @@ class SchedulerConfig:
                   eos_token_ids: tuple[int, ...] = (), **more) -> "SchedulerConfig":
         """The configuration the server's flags (ServerArgs, as a dict) give a pool of this size
         (`more`: fields the flags alone do not give, e.g. the diffusion model's)."""
-        return cls(
-            max_total_tokens=max_total_tokens,
-            max_running_requests=args["max_running_requests"],
-            max_prefill_tokens=args["max_prefill_tokens"],
-            max_context_len=max_context_len,
-            eos_token_ids=eos_token_ids,
-            chunked_prefill_size=None if args["chunked_prefill_size"] <= 0 else args["chunked_prefill_size"],
-            enable_mixed_chunk=args["enable_mixed_chunk"],
-            decode_first=args["decode_first"],
-            batching_strategy=args["batching_strategy"],
-            max_waiting_iters=args["max_waiting_iters"],
-            watermark=args["watermark"],
-            schedule_policy=args["schedule_policy"],
-            enable_priority_scheduling=args["enable_priority_scheduling"],
-            prefill_admission_policy=args["prefill_admission_policy"],
-            admission_lookahead=args["admission_lookahead"],
-            force_fifo_every=args["force_fifo_every"],
-            waiting_timeout=args["waiting_timeout"],
-            running_timeout=args["running_timeout"],
-            enable_radix_cache=not args["disable_radix_cache"],
-            page_size=args["page_size"],
-            in_batch_prefix_threshold=args["in_batch_prefix_threshold"],
-            **more,
-        )
+        same = ("max_running_requests", "max_prefill_tokens", "enable_mixed_chunk", "decode_first",
+                "batching_strategy", "max_waiting_iters", "watermark", "schedule_policy",
+                "enable_priority_scheduling", "prefill_admission_policy", "admission_lookahead", "force_fifo_every",
+                "waiting_timeout", "running_timeout", "page_size", "in_batch_prefix_threshold")
+        return cls(max_total_tokens=max_total_tokens, max_context_len=max_context_len, eos_token_ids=eos_token_ids,
+                   chunked_prefill_size=None if args["chunked_prefill_size"] <= 0 else args["chunked_prefill_size"],
+                   enable_radix_cache=not args["disable_radix_cache"], **{name: args[name] for name in same}, **more)
 
 
 @dataclass(slots=True)
