@@ -62,15 +62,30 @@ def assert_idle_and_clean(http: httpx.Client) -> None:
 # ---- soak ---------------------------------------------------------------------------------------
 
 def test_short_soak_loses_and_leaks_nothing(server, http):
-    report, outcomes = asyncio.run(soak(server.url, server.proc.pid, n=160, concurrency=32, seed=1, max_tokens=24,
-                                        api_key=KEY))
+    report, outcomes = asyncio.run(soak(server.url, server.proc.pid, n=120, concurrency=32, seed=1, max_tokens=16,
+                                        greedy_prompts=6, api_key=KEY))
     print(report.summary())
     assert report.lost == [] and report.greedy_mismatches == []
     assert report.completed + report.left + report.aborted == report.requests
-    assert report.left > 0 and report.completed > 80 and report.greedy_checked > 20
+    assert report.left > 0 and report.completed > 60 and report.greedy_checked > 15
     assert_idle_and_clean(http)
-    stats = http.get("/get_server_info").json()["stats"]
-    assert stats["num_retractions"] > 0  # the small KV pool made the soak retract, and every request still ended well
+
+
+def test_a_kv_pool_far_too_small_retracts_and_every_request_finishes(server, http):
+    before = http.get("/get_server_info").json()["stats"]["num_retractions"]
+    total = http.get("/get_server_info").json()["max_total_tokens"]
+    n = total // 80  # all admitted (at 70% of their outputs reserved), then their outputs outgrow the pool
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=600) as client:
+            return await asyncio.gather(*(client.post("/generate", json={"text": f"Story {i}:", "sampling_params": {
+                "max_new_tokens": 110, "ignore_eos": True}}) for i in range(n)))
+
+    outs = [r.json() for r in asyncio.run(run())]
+    assert all(o["meta_info"]["completion_tokens"] == 110 for o in outs), [o["meta_info"] for o in outs][:3]
+    assert http.get("/get_server_info").json()["stats"]["num_retractions"] > before
+    assert any(o["meta_info"]["retractions"] for o in outs)
+    assert_idle_and_clean(http)
 
 
 # ---- hostile input ------------------------------------------------------------------------------
@@ -245,6 +260,7 @@ def _keep_generation_small(body):
 def test_schemathesis_fuzzing_of_every_route_gives_no_server_error(server, http):
     import schemathesis
     from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
     schema = schemathesis.openapi.from_dict(http.get("/openapi.json").json())
@@ -271,7 +287,10 @@ def test_schemathesis_fuzzing_of_every_route_gives_no_server_error(server, http)
                         failures.append(f"{operation.label} {json.dumps(body)[:300]} -> {r.status_code} "
                                         f"{r.text[:300]}")
 
-                fuzz()
+                try:
+                    fuzz()
+                except Unsatisfiable:  # no schema-violating input exists (a route without parameters)
+                    assert mode == GenerationMode.NEGATIVE, operation.label
     print(f"schemathesis: {sum(calls.values())} cases over {len(calls)} routes: {calls}")
     assert not failures, failures[:5]
     assert len(calls) >= 10
@@ -334,7 +353,7 @@ def test_a_burst_beyond_max_queued_requests_gets_503_at_once(server):
         finished = []
 
         async def one(client, i):
-            r = await client.post("/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 16,
+            r = await client.post("/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 4,
                                                            "ignore_eos": True})
             finished.append((time.monotonic(), r.status_code))
 
@@ -353,7 +372,7 @@ def test_a_burst_beyond_max_queued_requests_gets_503_at_once(server):
 def test_a_client_that_never_reads_does_not_stall_the_others(server, http):
     # a stream whose events grow (cumulative logprobs) until the socket buffers are full
     body = json.dumps({"text": "Tell me everything.", "stream": True, "sampling_params": {
-        "max_new_tokens": 120, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}}).encode()
+        "max_new_tokens": 100, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}}).encode()
     stalled = socket.create_connection(("127.0.0.1", server.port))
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stalled.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -362,8 +381,8 @@ def test_a_client_that_never_reads_does_not_stall_the_others(server, http):
         time.sleep(1.0)
         start = time.monotonic()
         outs = [http.post("/generate", json={"text": f"Say {i}", "sampling_params": {
-            "max_new_tokens": 8, "ignore_eos": True}}).json() for i in range(6)]
-        assert all(o["meta_info"]["completion_tokens"] == 8 for o in outs)
+            "max_new_tokens": 4, "ignore_eos": True}}).json() for i in range(4)]
+        assert all(o["meta_info"]["completion_tokens"] == 4 for o in outs)
         assert time.monotonic() - start < 120
     finally:
         stalled.close()  # the server notices the disconnect and aborts what is left
@@ -455,7 +474,8 @@ def test_stale_ipc_folders_of_dead_launchers_are_swept(tmp_path):
 
 
 MESSAGE_PATHS = ["ipc", "tokenizer_proc", "scheduler_proc", "detokenizer_proc", "worker_proc/process.py", "launch.py"]
-UNSAFE = re.compile(r"\b(pickle|cPickle|dill|marshal|shelve|recv_pyobj|send_pyobj|torch\.load)\b|"
+UNSAFE = re.compile(r"\b(import|from)\s+(pickle|cPickle|dill|marshal|shelve)\b|"
+                    r"\b(pickle|cPickle|dill|marshal|shelve)\.\w+|\b(recv_pyobj|send_pyobj|torch\.load)\b|"
                     r"(?<![\w.])(eval|exec)\s*\(")
 
 
@@ -468,4 +488,5 @@ def test_no_pickle_or_eval_on_any_message_path():
                 if UNSAFE.search(line.split("#", 1)[0]):
                     found.append(f"{file.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, found
-    assert UNSAFE.search("msg = socket.recv_pyobj()") and UNSAFE.search("eval (text)")  # the pattern bites
+    for bad in ("msg = socket.recv_pyobj()", "eval (text)", "import pickle", "pickle.loads(frame)"):
+        assert UNSAFE.search(bad), bad  # the pattern bites

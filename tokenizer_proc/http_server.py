@@ -43,6 +43,22 @@ def _key_matches(given: str, api_key: str) -> bool:
     return hmac.compare_digest(digest(given), digest(f"Bearer {api_key}"))
 
 
+class ApiKeyGuard:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>` (a plain
+    ASGI class: it passes the request through untouched, streams and body errors included)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not _key_matches(given, self.api_key):
+                response = _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def _prompts(body: dict) -> tuple[list[tuple[str | None, list | None]], bool]:
     """(text, input_ids) per prompt of a /generate body, and whether it is a batch."""
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -62,14 +78,9 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
     app = FastAPI(title="loom")
     app.include_router(build_router(OpenAIServing(manager, model_name, manager.context_len)))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            if not _key_matches(request.headers.get("authorization", ""), api_key):
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
-        return await call_next(request)
-
-    app.add_middleware(BodyLimit, limit=max_request_bytes)  # (outermost: before the key check reads anything)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)  # (outermost: nothing larger is read at all)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request, e: HTTPException):  # unknown route, wrong method: JSON like every error

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,31 +41,18 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await too_large(scope, receive, send)
         seen = 0
-        started = False
 
         async def counting_receive() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
+                if seen > self.limit:  # (the app's HTTPException handler answers it)
+                    raise HTTPException(413, f"the request body is larger than {self.limit} bytes "
+                                             "(--max-request-bytes)")
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await too_large(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, counting_receive, send)
 
 
 async def read_json_object(request: Request) -> dict:
