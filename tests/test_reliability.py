@@ -72,17 +72,24 @@ def test_short_soak_loses_and_leaks_nothing(server, http):
 
 
 def test_a_kv_pool_far_too_small_retracts_and_every_request_finishes(server, http):
+    import random
+
     before = http.get("/get_server_info").json()["stats"]["num_retractions"]
     total = http.get("/get_server_info").json()["max_total_tokens"]
-    n = total // 80  # all admitted (at 70% of their outputs reserved), then their outputs outgrow the pool
+    # 100-token prompts (distinct: nothing to share) and 40 new tokens: all admitted with 70% of
+    # their outputs reserved, then their outputs outgrow the pool
+    prompt_len, new = 100, 40
+    n = total // (prompt_len + 28)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(prompt_len)] for _ in range(n)]
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=600) as client:
-            return await asyncio.gather(*(client.post("/generate", json={"text": f"Story {i}:", "sampling_params": {
-                "max_new_tokens": 110, "ignore_eos": True}}) for i in range(n)))
+            return await asyncio.gather(*(client.post("/generate", json={"input_ids": ids, "sampling_params": {
+                "max_new_tokens": new, "ignore_eos": True}}) for ids in prompts))
 
     outs = [r.json() for r in asyncio.run(run())]
-    assert all(o["meta_info"]["completion_tokens"] == 110 for o in outs), [o["meta_info"] for o in outs][:3]
+    assert all(o["meta_info"]["completion_tokens"] == new for o in outs), [o["meta_info"] for o in outs][:3]
     assert http.get("/get_server_info").json()["stats"]["num_retractions"] > before
     assert any(o["meta_info"]["retractions"] for o in outs)
     assert_idle_and_clean(http)
@@ -203,7 +210,7 @@ def test_a_backtracking_stop_regex_takes_bounded_time(http):
     # every way to split the output is tried before the \x00 fails to match: exponential in its
     # length without the time limit, which ends the request with why
     r = http.post("/generate", json={"text": "Count: a a a a a a a a a", "sampling_params": {
-        "max_new_tokens": 48, "temperature": 0, "ignore_eos": True, "stop_regex": [r"(.+)+\x00"]}})
+        "max_new_tokens": 32, "temperature": 0, "ignore_eos": True, "stop_regex": [r"(.+)+\x00"]}})
     assert r.status_code == 200
     reason = r.json()["meta_info"]["finish_reason"]
     assert reason["type"] in ("abort", "length"), reason
@@ -231,33 +238,43 @@ def test_stop_checker_ends_a_catastrophic_regex_with_why():
 
 # ---- fuzzing ------------------------------------------------------------------------------------
 
-FUZZ_EXAMPLES = int(os.environ.get("LOOM_FUZZ_EXAMPLES", "25"))  # per route and mode; the long form raises it
 SMALL_GENERATION = {"max_tokens": 4, "max_new_tokens": 4, "max_completion_tokens": 4, "n": 2}
 
 
 def _keep_generation_small(body):
     """Fuzzed values of the generation sizes are capped so a case takes milliseconds; their
     hostile extremes are the hand-written cases above."""
-    if isinstance(body, dict):
-        if "prompt" in body or "messages" in body:  # (unset, they default to 16 tokens or the whole context)
-            body.setdefault("max_tokens", 4)
-        elif "sampling_params" not in body:
-            body["sampling_params"] = {"max_new_tokens": 4}
-        elif isinstance(body["sampling_params"], dict):
+    if not isinstance(body, dict):
+        return body
+    if "prompt" in body or "messages" in body:  # (unset, they default to 16 tokens or the whole context)
+        body.setdefault("max_tokens", 4)
+    else:
+        body.setdefault("sampling_params", {})
+        if isinstance(body["sampling_params"], dict):
             body["sampling_params"].setdefault("max_new_tokens", 4)
-        for key, cap in SMALL_GENERATION.items():
-            if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > cap:
-                body[key] = cap
-        if isinstance(body.get("sampling_params"), dict):
-            _keep_generation_small(body["sampling_params"])
-        if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 4:
-            body["prompt"] = body["prompt"][:4]
-        if isinstance(body.get("text"), list) and len(body["text"]) > 4:
-            body["text"] = body["text"][:4]
+    for fields in (body, body.get("sampling_params")):
+        if isinstance(fields, dict):
+            for key, cap in SMALL_GENERATION.items():
+                if isinstance(fields.get(key), int) and not isinstance(fields[key], bool) and fields[key] > cap:
+                    fields[key] = cap
+    for key in ("prompt", "text"):
+        if isinstance(body.get(key), list) and len(body[key]) > 4:
+            body[key] = body[key][:4]
     return body
 
 
 def test_schemathesis_fuzzing_of_every_route_gives_no_server_error(server, http):
+    fuzz_every_route(server, http, examples=25)
+
+
+@pytest.mark.reliability
+def test_long_schemathesis_fuzzing(server, http):
+    fuzz_every_route(server, http, examples=int(os.environ.get("LOOM_FUZZ_EXAMPLES", "400")))
+
+
+def fuzz_every_route(server, http, examples: int) -> None:
+    """Cases generated from /openapi.json for every route, valid (positive) and schema-violating
+    (negative), `examples` of each per route: none may be a server error, every error is JSON."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -270,7 +287,7 @@ def test_schemathesis_fuzzing_of_every_route_gives_no_server_error(server, http)
         for result in schema.get_all_operations():
             operation = result.ok()
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+                @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                           suppress_health_check=list(HealthCheck))
                 @given(case=operation.as_strategy(mode))
                 def fuzz(case):
