@@ -135,3 +135,22 @@ def test_a_stalled_worker_is_caught_by_the_watchdog():
     output = s.read_output()
     assert "the scheduler process" in output and "watchdog" in output and "stalled" in output, output[-2000:]
     assert_nothing_left(children, directory, shm)
+
+
+@pytest.mark.parametrize("ending", ["launcher.shutdown()", "pass", "raise RuntimeError('boom')", "sys.exit(3)"])
+def test_the_ipc_folder_goes_at_every_exit_of_the_launcher(ending):
+    """Engine.shutdown (an explicit shutdown), a normal exit, an uncaught exception and sys.exit
+    all remove it (the signals are test_sigterm_... above)."""
+    import subprocess
+    import sys
+
+    from test_server import ROOT
+
+    code = ("import sys, launch\nfrom pathlib import Path\n"
+            "launcher = launch.Launcher(launch.ServerArgs(), Path('.'), {})\n"
+            "print(launcher.endpoints.directory, flush=True)\n" + ending + "\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    directory = out.stdout.split()[0]
+    assert os.path.basename(directory).startswith("loom-")
+    assert not os.path.exists(directory), (ending, out.stderr[-500:])
