@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import dataclasses
 import json
 import logging
@@ -157,6 +158,12 @@ class ServerArgs:
     served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
     api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
+    max_request_bytes: int = _arg(32 * 1024 * 1024, "largest HTTP request body (and ZMQ client message) accepted; "
+                                                    "larger ones are refused with HTTP 413")
+    watchdog_timeout: float = _arg(300.0, "a step the workers have not answered after this many seconds means a "
+                                          "stalled or hung worker: the server logs it and shuts down (0: no watchdog)")
+    graceful_shutdown_timeout: float = _arg(2.0, "on SIGTERM or SIGINT: new requests get HTTP 503, requests in flight "
+                                                 "get this many seconds to finish, then end with an error")
     log_level: str = _arg("info", "log level", choices=("debug", "info", "warning", "error"))
     startup_timeout_s: float = _arg(600.0, "give up if the processes are not ready by then")
 
@@ -175,9 +182,12 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: at least 0 (0: no CUDA graphs)")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: a fraction in [0, 1)")
-        for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters"):
+        for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
+        for name in ("watchdog_timeout", "graceful_shutdown_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: at least 0")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank}: choose one of 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1:
@@ -260,7 +270,8 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
 
 class Launcher:
     """Spawns the detokenizer, scheduler and worker, waits until each is ready, and watches
-    them: any child's death takes the whole tree down."""
+    them: any child's death takes the whole tree down. `shutdown()` (also run at interpreter
+    exit) ends every child and removes the ipc folder."""
 
     def children(self) -> list[tuple[str, str, int, int]]:
         """(name, module, data-parallel rank, tensor-parallel rank) of every child process this
@@ -294,11 +305,16 @@ class Launcher:
         self.extra = extra
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready_info: dict[str, dict] = {}
+        self.failures: dict[str, str] = {}  # child name -> what it reported before it died
         self._stopping = False
+        self._shut_down = False
         self._ctx = zmq.Context()
+        self._inbox = Receiver(self._ctx, zmq.PULL, self.endpoints.launcher, ToLauncher)
+        self._inbox_lock = threading.Lock()  # the watchdog thread polls it; shutdown closes it
+        atexit.register(self.shutdown)
 
     def start(self) -> None:
-        inbox = Receiver(self._ctx, zmq.PULL, self.endpoints.launcher, ToLauncher)
+        inbox = self._inbox
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         server_args = {**dataclasses.asdict(self.args), **self.extra}
         if self.args.tp_size > 1:  # where each tensor-parallel group meets (torch.distributed's TCP store)
@@ -322,13 +338,11 @@ class Launcher:
                     msg = inbox.recv()
                     if isinstance(msg, ProcFailed):
                         raise RuntimeError(f"the {msg.name} process failed to start: {msg.message}")
-                    assert isinstance(msg, ProcReady)
-                    self.ready_info[msg.name] = dict(msg.info)
+                    if isinstance(msg, ProcReady):
+                        self.ready_info[msg.name] = dict(msg.info)
         except BaseException:
             self.shutdown()
             raise
-        finally:
-            inbox.socket.close()
 
     def _dead_child(self) -> str | None:
         for name, p in self.procs.items():
@@ -336,35 +350,50 @@ class Launcher:
                 return name
         return None
 
+    def _read_failures(self, timeout_ms: int) -> None:
+        """Collects what children reported before dying (ProcFailed: why, e.g. the watchdog's message)."""
+        with self._inbox_lock:
+            while not self._shut_down and self._inbox.poll(timeout_ms):
+                msg = self._inbox.recv()
+                if isinstance(msg, ProcFailed):
+                    self.failures[msg.name] = msg.message
+                timeout_ms = 0
+
     def watch(self, on_death: Callable[[str], None]) -> None:
-        """Calls on_death(message) from a watchdog thread when a child dies unexpectedly."""
+        """Calls on_death(message) from a watchdog thread when a child dies unexpectedly; the
+        message names the process, how it ended and, if it said, why."""
 
         def loop():
             while not self._stopping:
+                self._read_failures(100)
                 dead = self._dead_child()
                 if dead and not self._stopping:
+                    self._read_failures(200)  # a dying child reports first: give its report time to land
                     code = self.procs[dead].returncode
                     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                    on_death(f"the {dead} process (pid {self.procs[dead].pid}) {how}; shutting loom down")
+                    why = f" ({self.failures[dead]})" if dead in self.failures else ""
+                    on_death(f"the {dead} process (pid {self.procs[dead].pid}) {how}{why}; shutting loom down")
                     return
-                time.sleep(0.1)
 
         threading.Thread(target=loop, name="loom-watchdog", daemon=True).start()
 
     def shutdown(self) -> None:
-        self._stopping = True
+        """Ends every child and removes the ipc folder; safe to call more than once and from any
+        thread. Children hold nothing to flush (requests were drained before), so SIGKILL: it also
+        ends a stopped or hung child, and children ignore SIGTERM (see ipc/proc.py)."""
+        if self._shut_down:
+            return
+        self._stopping = self._shut_down = True
         for p in self.procs.values():
             if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + 3
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
+        for p in self.procs.values():
+            p.wait()
         shutil.rmtree(self.endpoints.directory, ignore_errors=True)
+        with self._inbox_lock:
+            self._inbox.socket.close()
         self._ctx.term()
+        atexit.unregister(self.shutdown)
 
 
 def _free_port() -> int:
@@ -591,6 +620,15 @@ def serve(args: ServerArgs) -> None:
     from tokenizer_proc.manager import TokenizerManager
     from tokenizer_proc.zmq_frontend import ZmqFrontend
 
+    def on_signal(signum: int, _frame) -> None:
+        # SIGTERM / SIGINT outside uvicorn's own handling (start-up, or re-raised by uvicorn once it
+        # has drained): leave through the finally clauses and atexit, which end the children and
+        # remove the ipc folder (the default action would kill this process before they run)
+        print(f"loom: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     model_dir, tokenizer, launcher, info = _prepare(args)
 
     def on_death(message: str) -> None:
@@ -600,21 +638,34 @@ def serve(args: ServerArgs) -> None:
 
     launcher.watch(on_death)
 
+    class GracefulServer(uvicorn.Server):
+        """On SIGTERM / SIGINT uvicorn stops accepting connections and waits for the open ones;
+        loom refuses new requests (503) and ends those still running after the grace period with
+        an error, so every stream gets its last event and the server exits within seconds."""
+
+        manager: TokenizerManager
+
+        async def shutdown(self, sockets=None) -> None:
+            self.manager.drain(args.graceful_shutdown_timeout)
+            await super().shutdown(sockets)
+
     async def run() -> None:
         manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"], args.max_queued_requests,
                                    args.dp_size, args.dllm_algorithm is not None)
         manager.start()
         zmq_port = args.port + 1 if args.zmq_port is None else args.zmq_port
-        frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}")
+        frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}", args.max_request_bytes)
         frontend.start()
         app = build_app(manager, {**info, "zmq_endpoint": frontend.address},
-                        args.served_model_name or model_dir.name, args.api_key)
+                        args.served_model_name or model_dir.name, args.api_key, args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=2, access_log=False)
+                                timeout_graceful_shutdown=args.graceful_shutdown_timeout + 1, access_log=False)
         print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens, "
               f"kernels {info['kernel_isa']}) on http://{args.host}:{args.port}  zmq: {frontend.address}",
               flush=True)
-        await uvicorn.Server(config).serve()
+        server = GracefulServer(config)
+        server.manager = manager
+        await server.serve()
 
     try:
         uvloop.run(run())

@@ -48,6 +48,8 @@ def main(config: ChildConfig, report_ready) -> None:
     report_ready({})
     while True:
         msg = inbox.recv()
+        if msg is None:  # a frame the receiver dropped (logged there)
+            continue
         if isinstance(msg, BatchTokenOut):
             outbox.send(detok.process(msg))
         else:  # answers to the tokenizer's queries; stats gain this process's request table

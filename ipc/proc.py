@@ -1,5 +1,6 @@
-"""What every child process does first: die with its parent, ignore the terminal's Ctrl-C
-(the launcher shuts the tree down), read its config, and report ready or failed."""
+"""What every child process does first: die with its parent, ignore SIGINT and SIGTERM (a
+terminal's Ctrl-C or a service manager signals the whole process group; the launcher drains the
+requests in flight, then ends the children), read its config, and report ready or failed."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def run_child(main: Callable[[ChildConfig, Callable[[dict], None]], None]) -> No
     """Entry point of `python -m <pkg>.process CONFIG_JSON`. `main(config, report_ready)`."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = msgspec.json.decode(sys.argv[1], type=ChildConfig)
     level = config.server_args.get("log_level", "info").upper()
     logging.basicConfig(level=level, format=f"[%(asctime)s {config.name}] %(levelname)s %(message)s")

@@ -4,11 +4,55 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import shutil
+import stat
 import tempfile
 from typing import Any
 
 import msgspec
 import zmq
+
+log = logging.getLogger("loom.ipc")
+
+_DIRECTORY = re.compile(r"loom-(\d+)-[\w]+")  # loom-<pid of the launcher>-<random>
+
+
+def sweep_stale_directories(parent: str | None = None) -> list[str]:
+    """Removes this user's ipc folders whose launcher is gone: a process killed by SIGKILL runs
+    no clean-up, so the next start does it. Returns the folders removed."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = _DIRECTORY.fullmatch(name)
+        if not match:
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode) or _alive(int(match[1])):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Endpoints(msgspec.Struct):
@@ -31,7 +75,8 @@ class Endpoints(msgspec.Struct):
 
     @classmethod
     def create(cls, tcp: tuple[str, int] | None = None, dp_size: int = 1, tp_size: int = 1) -> "Endpoints":
-        base = tempfile.mkdtemp(prefix="loom-")  # mkdtemp makes it 0700
+        sweep_stale_directories()
+        base = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-")  # mkdtemp makes it 0700
         names = [n for n in cls.__struct_fields__ if n not in ("tcp_host", "tcp_port", "dp_size", "tp_size")]
         host, port = tcp or ("", 0)
         return cls(**{name: f"ipc://{base}/{name}" for name in names}, tcp_host=host, tcp_port=port,
@@ -83,20 +128,36 @@ class Sender:
 
 
 class Receiver:
+    """A socket that yields typed messages: every frame is decoded as `schema` (a tagged union of
+    Structs) and nothing else; a frame that does not decode (malformed, truncated, of another
+    type, or a multi-part message) is dropped with a log line, so a stray or hostile peer cannot
+    take the process down."""
+
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, schema: Any, bind: bool = True):
         self.socket = ctx.socket(kind)
         self.socket.setsockopt(zmq.LINGER, 0)
         (self.socket.bind if bind else self.socket.connect)(addr)
+        self.address = addr
         self._decoder = msgspec.msgpack.Decoder(schema)
+        self.dropped = 0
 
-    def recv(self, flags: int = 0) -> Any:
-        return self._decoder.decode(self.socket.recv(flags, copy=False).buffer)
+    def recv(self, flags: int = 0) -> Any | None:
+        """The next message, or None when the frame received was dropped."""
+        frames = self.socket.recv_multipart(flags, copy=False)
+        if len(frames) != 1:
+            return self._drop(f"a message of {len(frames)} frames (one expected)")
+        try:
+            return self._decoder.decode(frames[0].buffer)
+        except msgspec.DecodeError as e:  # (ValidationError is one)
+            return self._drop(f"{len(frames[0].buffer)} bytes that do not decode: {e}")
+
+    def _drop(self, what: str) -> None:
+        self.dropped += 1
+        log.error("dropped %s on %s", what, self.address)
+        return None
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms))
-
-    def decode(self, frame: bytes | memoryview) -> Any:
-        return self._decoder.decode(frame)
 
 
 class PeerWatch:

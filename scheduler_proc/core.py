@@ -111,7 +111,7 @@ class SchedulerCore:
     def __init__(
         self,
         config: SchedulerConfig,
-        stop_checker: Callable[[Req, int], str | None] | None = None,
+        stop_checker: Callable[[Req, int], str | FinishReason | None] | None = None,
     ):
         self.config = config
         self.token_pool = TokenSlotAllocator(config.max_total_tokens)
@@ -474,6 +474,8 @@ class SchedulerCore:
             return FinishReason("stop", matched=token)
         if (sp.stop or sp.stop_regex) and self.stop_checker is not None:
             matched = self.stop_checker(req, produced)
+            if isinstance(matched, FinishReason):  # (a stop regex that ran out of time)
+                return matched
             if matched is not None:
                 return FinishReason("stop", matched=matched)
         if produced >= sp.max_new_tokens:

@@ -38,7 +38,7 @@ class DPController:
         elif isinstance(msg, (StatsReq, FlushCacheReq)):
             for sender in self.ranks:
                 sender.send(msg)
-        elif isinstance(msg, LoadReport):
+        elif isinstance(msg, LoadReport):  # (None, a frame the receiver dropped, matches nothing)
             self.balancer.on_report(msg)
             for rid in msg.finished:
                 self.owner.pop(rid, None)

@@ -5,14 +5,15 @@ time (overlap mode comes later)."""
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 import msgspec
+import regex
 import zmq
 
 from detokenizer_proc.decoder import load_decoder
-from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FlushCacheReq, FlushCacheResp, FromWorker, GenerateReq,
+from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FinishReason, FlushCacheReq, FlushCacheResp, FromWorker,
+                          GenerateReq,
                           GenerateReqs, LoadReport, StatsReq, StatsResp, TokenDelta, ToScheduler, WorkerError,
                           WorkerReady)
 from ipc.proc import ChildConfig, run_child
@@ -28,16 +29,19 @@ log = logging.getLogger("loom.scheduler")
 
 class StopChecker:
     """Decodes only the tail of a request's output to look for its stop strings and regexes;
-    returns the matched text."""
+    returns the matched text. A regex search has a time limit: a pattern that backtracks
+    catastrophically ends its request (with why) instead of stalling every request's step."""
 
     REGEX_WINDOW = 64  # tokens a stop_regex match may span
+    REGEX_TIMEOUT_S = 0.02
 
     def __init__(self, decoder):
         self.decoder = decoder
-        self.patterns: dict[str, re.Pattern] = {}
+        self.patterns: dict[str, regex.Pattern] = {}
 
-    def __call__(self, req: Req, produced: int) -> str | None:
-        """The stop string or regex match in the request's first `produced` output tokens' tail."""
+    def __call__(self, req: Req, produced: int) -> str | FinishReason | None:
+        """The stop string or regex match in the request's first `produced` output tokens' tail
+        (or the abort of a regex that ran out of time)."""
         sp = req.sampling
         # A token decodes to at least one byte, so this many tokens cover the longest stop.
         window = max([len(s.encode()) + 1 for s in sp.stop] + [self.REGEX_WINDOW if sp.stop_regex else 0])
@@ -47,8 +51,14 @@ class StopChecker:
             if s in tail:
                 return s
         for pattern in sp.stop_regex:
-            compiled = self.patterns.get(pattern) or self.patterns.setdefault(pattern, re.compile(pattern))
-            match = compiled.search(tail)
+            compiled = self.patterns.get(pattern) or self.patterns.setdefault(pattern, regex.compile(pattern))
+            try:
+                match = compiled.search(tail, timeout=self.REGEX_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("request %s: stop_regex %r took over %g s on %d characters; ending the request",
+                            req.rid, pattern[:80], self.REGEX_TIMEOUT_S, len(tail))
+                return FinishReason("abort", message=f"stop_regex {pattern[:80]!r} took over "
+                                                     f"{self.REGEX_TIMEOUT_S * 1000:g} ms to search the output")
             if match and match.group(0):
                 return match.group(0)
         return None
@@ -84,6 +94,7 @@ class SchedulerProcess:
         self.metrics = StepMetrics(args.get("log_interval") or 0)
         # (a diffusion step's rows continue from its result: nothing to plan ahead)
         self.overlap = not args.get("disable_overlap_schedule", True) and not args.get("dllm_algorithm")
+        self.watchdog_timeout = args.get("watchdog_timeout") or 0  # seconds a step may take (0: no limit)
         self.share_samples = self.overlap and args["tp_size"] > 1  # every TP rank's future map needs them
         self.launched_after_idle: set[int] = set()  # steps whose worker gap is idle time, not overhead
         self.was_idle = True
@@ -106,8 +117,8 @@ class SchedulerProcess:
             ready = self.results.recv()
             if isinstance(ready, WorkerError):
                 raise RuntimeError(f"worker failed to start: {ready.message}")
-            assert isinstance(ready, WorkerReady)
-            readies.append(ready)
+            if isinstance(ready, WorkerReady):
+                readies.append(ready)
         # the ranks plan the same pool; the smallest is what they all hold
         ready = min(readies, key=lambda r: r.max_total_tokens)
         decoder = load_decoder(config.model_dir)
@@ -138,6 +149,7 @@ class SchedulerProcess:
             self.detokenizer.send(StatsResp(msg.query_id, stats))
         elif isinstance(msg, FlushCacheReq):
             self.detokenizer.send(FlushCacheResp(msg.query_id, self.core.flush_cache() or ""))
+        # None: a frame the receiver dropped (logged there)
 
     def add_request(self, msg: GenerateReq) -> None:
         self.received += 1
@@ -243,8 +255,17 @@ class SchedulerProcess:
 
     def wait_result(self) -> BatchResult:
         # Requests that arrive during the forward are queued now, so they join the next step.
+        started = self.clock()
         while True:
-            for sock, _ in self.poller.poll():
+            timeout_ms = None
+            if self.watchdog_timeout:
+                waited = self.clock() - started
+                if waited >= self.watchdog_timeout:
+                    raise RuntimeError(
+                        f"watchdog: the worker of dp rank {self.dp_rank} has not answered a step in {waited:.1f} s "
+                        f"(--watchdog-timeout {self.watchdog_timeout:g}): it is stalled or hung")
+                timeout_ms = (self.watchdog_timeout - waited) * 1000
+            for sock, _ in self.poller.poll(timeout_ms):
                 if sock is not self.results.socket and sock is not self.requests.socket:
                     self.check_peers()
                     continue
@@ -252,7 +273,9 @@ class SchedulerProcess:
                     msg = self.results.recv()
                     if isinstance(msg, WorkerError):
                         raise RuntimeError(f"worker failed: {msg.message}")
-                    return msg
+                    if isinstance(msg, BatchResult):
+                        return msg
+                    continue
                 self.handle(self.requests.recv())
 
 

@@ -109,6 +109,6 @@ def test_two_replicas_of_two_ranks_give_one_rank_s_outputs(tmp_path, default_mod
 
 
 def test_killing_the_controller_brings_the_server_down_naming_it():
-    from test_server import kill_and_expect_shutdown
+    from test_faults import kill_and_expect_shutdown
 
-    kill_and_expect_shutdown(("--dp-size", "2"), "scheduler_proc.dp_controller", "dp_controller")
+    kill_and_expect_shutdown(("--dp-size", "2"), "dp_controller")

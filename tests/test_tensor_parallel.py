@@ -131,6 +131,6 @@ def test_a_tp_size_the_model_cannot_take_is_refused_at_start(default_model_dir):
 
 
 def test_killing_one_rank_brings_the_server_down_naming_it():
-    from test_server import kill_and_expect_shutdown
+    from test_faults import kill_and_expect_shutdown
 
-    kill_and_expect_shutdown(("--tp-size", "3"), '"tp_rank":1', "worker_tp1")
+    kill_and_expect_shutdown(("--tp-size", "3"), "worker_tp1")

@@ -1,49 +1,94 @@
 """HTTP routes of the native API: POST /generate (JSON, or SSE when "stream": true),
-GET /health, GET /get_server_info."""
+GET /health, GET /get_server_info, and the app around every route: API key, body size limit,
+errors as JSON."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
-from tokenizer_proc.manager import QueueFullError, RequestError, TokenizerManager
+from tokenizer_proc.api_schema import ABORT, GENERATE, request_body
+from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.openai_api import OpenAIServing, build_router
+from tokenizer_proc.request_body import BodyError, BodyLimit, error_response, read_json_object
+
+MAX_BATCH = 4096  # prompts in one /generate request (and choices in one OpenAI request)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return error_response(status, message, param)
 
 
 async def _json_object(request: Request) -> dict | JSONResponse:
-    """The body as a JSON object, or the 400 response to send instead."""
+    """The body as a JSON object, or the 4xx response to send instead."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _error(400, f"malformed JSON body: {e}")
-    if not isinstance(body, dict):
-        return _error(400, "the body must be a JSON object")
-    return body
+        return await read_json_object(request)
+    except BodyError as e:
+        return _error(e.status, e.message, e.param)
+
+
+def _key_matches(given: str, api_key: str) -> bool:
+    """Constant time: both sides are hashed first, so neither the key's length nor how much of it
+    matches shows in the time taken."""
+    digest = lambda s: hashlib.sha256(s.encode("utf-8", "surrogateescape")).digest()  # noqa: E731
+    return hmac.compare_digest(digest(given), digest(f"Bearer {api_key}"))
+
+
+class ApiKeyGuard:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>` (a plain
+    ASGI class: it passes the request through untouched, streams and body errors included)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not _key_matches(given, self.api_key):
+                response = _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _prompts(body: dict) -> tuple[list[tuple[str | None, list | None]], bool]:
+    """(text, input_ids) per prompt of a /generate body, and whether it is a batch."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list):
+        if not all(isinstance(t, str) for t in text):
+            raise RequestError("text must be a string or a list of strings")
+        return [(t, None) for t in text], True
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        if not all(isinstance(i, list) for i in input_ids):
+            raise RequestError("input_ids must be a list of token ids or a list of such lists")
+        return [(None, i) for i in input_ids], True
+    return [(text, input_ids)], False
 
 
 def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name: str,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = 32 * 1024 * 1024) -> FastAPI:
     app = FastAPI(title="loom")
     app.include_router(build_router(OpenAIServing(manager, model_name, manager.context_len)))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse({"error": {"message": "missing or wrong API key (Authorization: Bearer ...)",
-                                               "type": "authentication_error", "code": 401}}, status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)  # (outermost: nothing larger is read at all)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, e: HTTPException):  # unknown route, wrong method: JSON like every error
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, e: RequestValidationError):
+        return _error(400, f"invalid request: {e.errors()[:3]}")
 
     @app.get("/health")
     async def health():
@@ -67,14 +112,14 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
     async def metrics():
         return Response(manager.metrics.render(await manager.get_stats()), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=request_body(ABORT))
     async def abort_request(request: Request):
         body = await _json_object(request)
         if isinstance(body, JSONResponse):
             return body
-        rid, abort_all = body.get("rid"), bool(body.get("abort_all"))
+        rid, abort_all = body.get("rid"), body.get("abort_all") is True
         if not (isinstance(rid, str) and rid) and not abort_all:
-            return _error(400, "give 'rid' (a request id) or 'abort_all': true")
+            return _error(400, "give 'rid' (a request id) or 'abort_all': true", "rid")
         await manager.abort("" if abort_all else rid)
         return {"aborted": "all" if abort_all else rid}
 
@@ -87,20 +132,26 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
     async def get_server_info():
         return {**server_info, "stats": await manager.get_stats()}
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=request_body(GENERATE))
     async def generate(request: Request):
         body = await _json_object(request)
         if isinstance(body, JSONResponse):
             return body
-        text, input_ids = body.get("text"), body.get("input_ids")
-        batch = isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
-        prompts = [(t, None) for t in text] if isinstance(text, list) else (
-            [(None, i) for i in input_ids] if batch else [(text, input_ids)])
+        try:
+            prompts, batch = _prompts(body)
+        except RequestError as e:
+            return _error(400, str(e))
+        if len(prompts) > MAX_BATCH:
+            return _error(400, f"at most {MAX_BATCH} prompts in one request, got {len(prompts)}", "text")
         stream = bool(body.get("stream"))
         if batch and stream:
-            return _error(400, "stream is supported for a single prompt")
+            return _error(400, "stream is supported for a single prompt", "stream")
         sampling = body.get("sampling_params")
         rid = body.get("rid")
+        if batch and isinstance(rid, list) and len(rid) != len(prompts):
+            return _error(400, f"rid: {len(rid)} ids for {len(prompts)} prompts", "rid")
+        if isinstance(rid, list) and not batch:
+            return _error(400, "rid: a list of ids needs a list of prompts", "rid")
 
         def request(t, i, r) -> dict:
             return dict(text=t, input_ids=i, sampling=sampling, rid=r, priority=body.get("priority") or 0,
@@ -108,7 +159,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
 
         try:
             manager.ensure_capacity(len(prompts))
-        except QueueFullError as e:
+        except UnavailableError as e:
             return _error(503, str(e))
         if stream:
             gen = manager.generate(**request(*prompts[0], rid), stream=True)
@@ -116,7 +167,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
                 first = await anext(gen)
             except RequestError as e:
                 return _error(400, str(e))
-            except QueueFullError as e:
+            except UnavailableError as e:
                 return _error(503, str(e))
 
             incremental = bool(body.get("incremental"))
@@ -145,7 +196,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
                                           for (t, i), r in zip(prompts, rids)))
         except RequestError as e:
             return _error(400, str(e))
-        except QueueFullError as e:
+        except UnavailableError as e:
             return _error(503, str(e))
         return outs if batch else outs[0]
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import msgspec
+import regex
 import zmq
 import zmq.asyncio
 
@@ -28,7 +29,11 @@ class RequestError(ValueError):
     """A request a user got wrong: reported as HTTP 400 with this message."""
 
 
-class QueueFullError(RuntimeError):
+class UnavailableError(RuntimeError):
+    """The server cannot take the request now (going down, or full): HTTP 503 at once."""
+
+
+class QueueFullError(UnavailableError):
     """Too many requests in flight (`--max-queued-requests`): HTTP 503 at once."""
 
 
@@ -50,12 +55,24 @@ class ReqState:
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 
+# Bounds on what one request may ask for: each is far above real use, and each keeps the work a
+# request can cause per step (stop matching, logit bias rows) or in total small.
+MAX_STOPS = 32  # stop strings, and separately stop regexes
+MAX_STOP_CHARS = 256  # characters of one stop string or regex
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_TOP_LOGPROBS = 20
+MAX_ID_CHARS = 256  # a request id or routing key
+INT64 = (-(2**63), 2**63 - 1)
+
 
 def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     """Build and validate sampling parameters; null fields take their defaults."""
     if isinstance(raw, SamplingParams):
         sp = raw
     else:
+        if raw is not None and not isinstance(raw, dict):
+            raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
         raw = {k: v for k, v in (raw or {}).items() if v is not None}
         unknown = set(raw) - SAMPLING_FIELDS
         if unknown:
@@ -67,6 +84,10 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
             sp = msgspec.convert(raw, SamplingParams, strict=False)
         except msgspec.ValidationError as e:
             raise RequestError(f"sampling_params: {e}") from None
+    floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    for name in floats:
+        if not math.isfinite(getattr(sp, name)):
+            raise RequestError(f"sampling_params: {name} must be a finite number, got {getattr(sp, name)}")
     checks = [
         (sp.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
         (sp.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
@@ -78,16 +99,25 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         (-2 <= sp.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
         (-2 <= sp.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
         (all(-100 <= b <= 100 for b in sp.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+        (len(sp.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
         (all(isinstance(s, str) and s for s in sp.stop), "stop must be non-empty strings"),
+        (len(sp.stop) <= MAX_STOPS, f"stop takes at most {MAX_STOPS} strings, got {len(sp.stop)}"),
+        (all(len(s) <= MAX_STOP_CHARS for s in sp.stop), f"stop strings are at most {MAX_STOP_CHARS} characters"),
+        (len(sp.stop_regex) <= MAX_STOPS, f"stop_regex takes at most {MAX_STOPS} patterns, got {len(sp.stop_regex)}"),
+        (all(len(s) <= MAX_STOP_CHARS for s in sp.stop_regex),
+         f"stop_regex patterns are at most {MAX_STOP_CHARS} characters"),
+        (len(sp.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
+        (0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
     ]
     for ok, message in checks:
         if not ok:
             raise RequestError(f"sampling_params: {message}")
     for pattern in sp.stop_regex:
         try:
-            re.compile(pattern)
-        except re.error as e:
-            raise RequestError(f"sampling_params: stop_regex {pattern!r} is not a valid regular expression: {e}") from None
+            regex.compile(pattern)
+        except (regex.error, OverflowError, RecursionError) as e:
+            raise RequestError(f"sampling_params: stop_regex {pattern[:80]!r} is not a valid regular expression: "
+                               f"{e}") from None
     return sp
 
 
@@ -119,6 +149,10 @@ class TokenizerManager:
         self.diffusion = diffusion  # a block-diffusion model (--dllm-algorithm): no per-token logprobs
         self.vocab_size = len(tokenizer)
         self.context_len = context_len
+        # no token is longer than the longest vocabulary entry (byte-level: a character per byte),
+        # so a longer text cannot fit the context and is refused before it is tokenized
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+        self.max_prompt_chars = context_len * max(map(len, vocab)) if vocab else None
         self.max_queued = max_queued
         self.dp_size = dp_size
         self.ctx = zmq.asyncio.Context()
@@ -151,21 +185,68 @@ class TokenizerManager:
         """The engine died: end every pending request with an error instead of hanging."""
         self.dead = message
         for state in self.states.values():
-            state.finish = FinishReason("abort", message=message)
-            state.event.set()
+            if state.finish is None:
+                state.finish = FinishReason("abort", message=message)
+                state.event.set()
+
+    def drain(self, grace_s: float) -> None:
+        """Graceful shutdown: new requests are refused now; those in flight get grace_s seconds to
+        finish, then end with an error (their streams get a last event)."""
+        self.dead = self.dead or "the server is shutting down"
+        asyncio.get_running_loop().call_later(grace_s, self.fail_all, self.dead)
 
     # ---- requests ----------------------------------------------------------------------
 
-    def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+    def tokenize(self, text: str | None, input_ids: list[int] | None, field: str = "text") -> list[int]:
+        """The prompt's token ids; `field` names the text's field in errors ("prompt", "messages")."""
         if input_ids is not None:
             if text is not None:
                 raise RequestError("give either text or input_ids, not both")
-            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
+            if not isinstance(input_ids, list):
+                raise RequestError(f"input_ids must be a list of integers, got {type(input_ids).__name__}")
+            if len(input_ids) >= self.context_len:
+                raise RequestError(f"input_ids: the prompt has {len(input_ids)} tokens; the context length is "
+                                   f"{self.context_len}")
+            if not all(type(t) is int and 0 <= t < self.vocab_size for t in input_ids):
                 raise RequestError(f"input_ids must be integers in 0..{self.vocab_size - 1}")
             return list(input_ids)
         if not isinstance(text, str):
             raise RequestError("text (a string) or input_ids (a list of integers) is required")
-        return self.tokenizer.encode(text, add_special_tokens=True) if text else []
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise RequestError(f"{field}: {len(text)} characters cannot fit the context of {self.context_len} tokens")
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=True) if text else []
+        except (TypeError, ValueError) as e:  # e.g. a lone surrogate: not valid Unicode
+            raise RequestError(f"{field} is not valid text ({type(e).__name__}: {str(e)[:100]})") from None
+
+    def check_request(self, sampling: SamplingParams | dict | None, rid: str | None = None, priority: int = 0,
+                      routing_key: str | None = None, routed_dp_rank: int | None = None) -> SamplingParams:
+        """Everything about a request but its prompt, checked before anything starts: the
+        sampling parameters (returned parsed) and the routing fields; RequestError names the
+        field, UnavailableError when the server is going down."""
+        if self.dead:
+            raise UnavailableError(self.dead)
+        if routed_dp_rank is not None and (isinstance(routed_dp_rank, bool) or not isinstance(routed_dp_rank, int)
+                                           or not 0 <= routed_dp_rank < self.dp_size):
+            raise RequestError(f"routed_dp_rank must be an integer in 0..{self.dp_size - 1} (this server has "
+                               f"--dp-size {self.dp_size}), got {routed_dp_rank!r}")
+        priority = priority or 0
+        if type(priority) is not int or not INT64[0] <= priority <= INT64[1]:
+            raise RequestError(f"priority must be a 64-bit integer, got {str(priority)[:40]}")
+        for name, value in (("rid", rid), ("routing_key", routing_key)):
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
+                raise RequestError(f"{name} must be a string of at most {MAX_ID_CHARS} characters")
+        sp = parse_sampling_params(sampling)
+        bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"sampling_params: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.diffusion and (sp.logprobs or sp.top_logprobs):
+            raise RequestError("sampling_params.logprobs: not available with --dllm-algorithm (a diffusion model "
+                               "fills a block's positions over several rounds)")
+        if sp.max_new_tokens > self.context_len:  # more than any prompt leaves room for (less is cut at the context)
+            raise RequestError(f"sampling_params: max_new_tokens={sp.max_new_tokens} exceeds the context length "
+                               f"{self.context_len}")
+        return sp
 
     async def generate(
         self,
@@ -183,19 +264,8 @@ class TokenizerManager:
         output_ids cumulative). A consumer that stops early aborts the request. Requests with the
         same `prefill_group` and prompt share one prefill (the n choices of a prompt).
         `routed_dp_rank` pins the data-parallel rank that serves it."""
-        if self.dead:
-            raise RuntimeError(self.dead)
-        if routed_dp_rank is not None and (isinstance(routed_dp_rank, bool) or not isinstance(routed_dp_rank, int)
-                                           or not 0 <= routed_dp_rank < self.dp_size):
-            raise RequestError(f"routed_dp_rank must be an integer in 0..{self.dp_size - 1} (this server has "
-                               f"--dp-size {self.dp_size}), got {routed_dp_rank!r}")
-        sp = parse_sampling_params(sampling)
-        if self.diffusion and (sp.logprobs or sp.top_logprobs):
-            raise RequestError("sampling_params.logprobs: not available with --dllm-algorithm (a diffusion model "
-                               "fills a block's positions over several rounds)")
-        bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"sampling_params: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        sp = self.check_request(sampling, rid=rid, priority=priority, routing_key=routing_key,
+                                routed_dp_rank=routed_dp_rank)
         ids = self.tokenize(text, input_ids)
         if not ids:
             raise RequestError("the prompt is empty")

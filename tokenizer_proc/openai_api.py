@@ -17,7 +17,12 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenizer_proc.manager import QueueFullError, RequestError, TokenizerManager
+from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, request_body
+from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
+from tokenizer_proc.request_body import BodyError, read_json_object
+
+MAX_CHOICES = 4096  # prompts x n in one request
+STREAM_BUFFER = 64  # chunks a stream holds for a client that reads slowly; its producers then wait
 
 
 class ApiError(Exception):
@@ -94,7 +99,7 @@ class OpenAIServing:
     def check_common(self, body: dict) -> tuple[int, bool, bool]:
         n = _field(body, "n", int, 1)
         if n < 1 or n > 64:
-            raise ApiError(400, "'n' must be between 1 and 64", "n")
+            raise ApiError(400, f"'n' must be between 1 and 64, got {n}", "n")
         best_of = _field(body, "best_of", int)
         if best_of is not None and best_of != n:
             raise ApiError(400, "'best_of' other than n is not supported", "best_of")
@@ -131,12 +136,19 @@ class OpenAIServing:
         if body.get("suffix") is not None:
             raise ApiError(400, "'suffix' is not supported", "suffix")
         prompts = self._prompts(body.get("prompt"))
-        encoded = [self.manager.tokenize(p, None) if isinstance(p, str) else p for p in prompts]
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={n} choices: at most {MAX_CHOICES} in one request",
+                           "prompt")
+        try:
+            encoded = [self.manager.tokenize(p, None, "prompt") if isinstance(p, str)
+                       else self.manager.tokenize(None, p, "prompt") for p in prompts]
+        except RequestError as e:
+            raise ApiError(400, f"prompt: {e}", "prompt") from None
         for ids in encoded:
             if not ids:
                 raise ApiError(400, "the prompt is empty", "prompt")
             self.check_length(len(ids), dict(sampling))
-        texts = [p if isinstance(p, str) else self.manager.tokenizer.decode(p) for p in prompts]
+        texts = [p if isinstance(p, str) else self.manager.tokenizer.decode(p) for p in prompts] if echo else []
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = [(i * n + k, ids, self._choice_sampling(sampling, k), self._prefill_group(rid, i, n))
                 for i, ids in enumerate(encoded) for k in range(n)]
@@ -189,12 +201,19 @@ class OpenAIServing:
         if not messages:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
         conversation = [_chat_message(m, i) for i, m in enumerate(messages)]
+        chars = sum(len(m["content"]) for m in conversation)
+        if self.manager.max_prompt_chars is not None and chars > self.manager.max_prompt_chars:
+            raise ApiError(400, f"messages: {chars} characters cannot fit the context of {self.context_len} tokens",
+                           "messages")
         try:
             prompt = self.manager.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                                                 tokenize=False)
         except Exception as e:  # a template that rejects the roles or order
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = self.manager.tokenizer.encode(prompt, add_special_tokens=False)
+        if len(ids) >= self.context_len:
+            raise ApiError(400, f"messages: the prompt has {len(ids)} tokens; the context length is "
+                                f"{self.context_len}", "messages")
         self.check_length(len(ids), sampling)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [(k, ids, self._choice_sampling(sampling, k), self._prefill_group(rid, 0, n)) for k in range(n)]
@@ -281,8 +300,12 @@ class OpenAIServing:
     def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, routed_dp_rank, make_choice, prefix=None,
                 chat=False):
         """SSE chunks of every choice as they come, then a usage chunk if asked, then [DONE].
-        Validation already happened, so errors here are the engine's, reported in-stream."""
-        queue: asyncio.Queue = asyncio.Queue()
+        Validation happens here, before the stream starts, so errors in it are the engine's."""
+        for _, _, sampling, _ in jobs[:1]:  # (the choices differ only in their seeds)
+            self.manager.check_request(sampling, routed_dp_rank=routed_dp_rank)
+        # bounded: a client that stops reading makes the pumps wait, and each pump's generator
+        # then coalesces the request's progress into its next (cumulative) result
+        queue: asyncio.Queue = asyncio.Queue(STREAM_BUFFER)
         gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True, prefill_group=group,
                                       routed_dp_rank=routed_dp_rank)
                 for _, ids, s, group in jobs]
@@ -327,7 +350,9 @@ class OpenAIServing:
                     yield chunk({"choices": [item]})
                 for t in tasks:
                     if t.exception() is not None:
-                        yield f"data: {json.dumps({'error': {'message': str(t.exception()), 'code': 500}})}\n\n"
+                        e = t.exception()
+                        code = 400 if isinstance(e, RequestError) else 503 if isinstance(e, UnavailableError) else 500
+                        yield f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n"
                 if include_usage:
                     yield chunk({"choices": [], "usage": self._usage(prompt_tokens, outs)})
                 yield "data: [DONE]\n\n"
@@ -373,23 +398,16 @@ def _chat_message(m: Any, i: int) -> dict:
 def build_router(serving: OpenAIServing) -> APIRouter:
     router = APIRouter()
 
-    async def read_json(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        return body
-
     async def handle(request: Request, fn):
         try:
-            result = await fn(await read_json(request))
+            result = await fn(await read_json_object(request))
+        except BodyError as e:
+            return ApiError(e.status, e.message, e.param).response()
         except ApiError as e:
             return e.response()
         except RequestError as e:
             return ApiError(400, str(e)).response()
-        except QueueFullError as e:
+        except UnavailableError as e:
             return ApiError(503, str(e), kind="server_overloaded").response()
         return result
 
@@ -398,11 +416,11 @@ def build_router(serving: OpenAIServing) -> APIRouter:
         return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": serving.created,
                                             "owned_by": "loom", "max_model_len": serving.context_len}]}
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=request_body(COMPLETION))
     async def completions(request: Request):
         return await handle(request, serving.completions)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=request_body(CHAT_COMPLETION))
     async def chat_completions(request: Request):
         return await handle(request, serving.chat)
 

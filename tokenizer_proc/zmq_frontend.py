@@ -17,8 +17,12 @@ log = logging.getLogger("loom.zmq")
 
 
 class ZmqFrontend:
-    def __init__(self, manager: TokenizerManager, address: str):
+    """A message that does not decode as FromClient (malformed, truncated, several frames, or over
+    `max_bytes`) is answered with an error and logged; nothing else is decoded."""
+
+    def __init__(self, manager: TokenizerManager, address: str, max_bytes: int = 32 * 1024 * 1024):
         self.manager = manager
+        self.max_bytes = max_bytes
         self.socket = manager.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
@@ -32,10 +36,17 @@ class ZmqFrontend:
 
     async def _loop(self) -> None:
         while True:
-            identity, frame = await self.socket.recv_multipart()
+            identity, *frames = await self.socket.recv_multipart()
+            if len(frames) != 1 or len(frames[0]) > self.max_bytes:
+                what = (f"{len(frames)} frames (one expected)" if len(frames) != 1 else
+                        f"{len(frames[0])} bytes (the limit is {self.max_bytes}, --max-request-bytes)")
+                log.error("dropped a client message of %s", what)
+                await self._send(identity, ClientOutput("", "", [], {}, True, error=f"refused a message of {what}"))
+                continue
             try:
-                msg = self.decoder.decode(frame)
+                msg = self.decoder.decode(frames[0])
             except msgspec.DecodeError as e:
+                log.error("dropped a malformed client message (%d bytes): %s", len(frames[0]), e)
                 await self._send(identity, ClientOutput("", "", [], {}, True, error=f"malformed message: {e}"))
                 continue
             key = (identity, msg.rid)

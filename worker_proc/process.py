@@ -78,6 +78,8 @@ def main(config: ChildConfig, report_ready) -> None:
                 raise RuntimeError(f"the scheduler of dp rank {config.dp_rank} disconnected (node 0 went away)")
             continue
         msg = batches.recv()
+        if msg is None:  # a frame the receiver dropped (logged there)
+            continue
         if isinstance(msg, Shutdown):
             tp.close()
             return

@@ -1,0 +1,82 @@
+"""The JSON Schemas of the HTTP request bodies, as the OpenAPI document (`/openapi.json`) shows
+them. The routes read their bodies by hand (leniently, with errors that name the field), so these
+schemas document what they accept; the fuzz tests generate requests from them."""
+
+from __future__ import annotations
+
+_STOP = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+_NUMBER = {"type": ["number", "null"]}
+_INT = {"type": ["integer", "null"]}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer"}}
+
+SAMPLING_PARAMS = {
+    "type": "object",
+    "properties": {
+        "max_new_tokens": _INT, "min_new_tokens": _INT, "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT,
+        "min_p": _NUMBER, "seed": _INT, "stop": _STOP, "stop_regex": _STOP,
+        "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer"}},
+        "ignore_eos": {"type": ["boolean", "null"]}, "skip_special_tokens": {"type": ["boolean", "null"]},
+        "repetition_penalty": _NUMBER, "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER,
+        "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+        "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _INT,
+    },
+    "additionalProperties": False,
+}
+
+GENERATE = {
+    "type": "object",
+    "properties": {
+        "text": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "input_ids": {"anyOf": [_TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS}]},
+        "sampling_params": SAMPLING_PARAMS,
+        "stream": {"type": "boolean"},
+        "incremental": {"type": "boolean"},
+        "rid": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "priority": {"type": "integer"},
+        "routing_key": {"type": ["string", "null"]},
+        "routed_dp_rank": _INT,
+    },
+}
+
+_OPENAI_SAMPLING = {
+    "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT, "min_p": _NUMBER, "seed": _INT, "stop": _STOP,
+    "stop_regex": _STOP, "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer"}},
+    "ignore_eos": {"type": ["boolean", "null"]}, "skip_special_tokens": {"type": ["boolean", "null"]},
+    "min_tokens": _INT, "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
+    "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+    "n": _INT, "best_of": _INT, "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+    "model": {"type": ["string", "null"]}, "routed_dp_rank": _INT, "user": {"type": ["string", "null"]},
+}
+
+COMPLETION = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS,
+                             {"type": "array", "items": _TOKEN_IDS}]},
+        "max_tokens": _INT, "echo": {"type": ["boolean", "null"]}, "logprobs": _INT,
+        "suffix": {"type": ["string", "null"]}, **_OPENAI_SAMPLING,
+    },
+}
+
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+    "type": "object", "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}}]}
+
+CHAT_COMPLETION = {
+    "type": "object",
+    "required": ["messages"],
+    "properties": {
+        "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
+            "role": {"type": "string", "enum": ["system", "user", "assistant"]}, "content": _CONTENT}}},
+        "max_tokens": _INT, "max_completion_tokens": _INT, "logprobs": {"type": ["boolean", "null"]},
+        "top_logprobs": _INT, "tools": {"type": ["array", "null"]}, **_OPENAI_SAMPLING,
+    },
+}
+
+ABORT = {"type": "object", "properties": {"rid": {"type": "string"}, "abort_all": {"type": "boolean"}}}
+
+
+def request_body(schema: dict) -> dict:
+    """`openapi_extra` for a route whose JSON body follows `schema`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
