@@ -118,7 +118,7 @@ def test_killing_any_child_of_a_data_and_tensor_parallel_server(name):
 
 def test_a_stalled_worker_is_caught_by_the_watchdog():
     shm = shared_memory()
-    watchdog = 10  # seconds: far above a step here (a first step on a busy machine can take seconds)
+    watchdog = 5  # seconds: far above a warm step (a first step on a busy machine can take seconds)
     s = Server("--watchdog-timeout", str(watchdog))
     children, directory = s.children(), ipc_directory(s)
     worker = child_named(s, "worker")
