@@ -107,22 +107,17 @@ def _predictor_and_pool(args) -> tuple[object, int, int]:
     return pred, slots, context
 
 
-def _config(args, slots: int, context: int):
-    from scheduler_proc.core import SchedulerConfig
-
-    server = vars(args)
-    return SchedulerConfig.from_args(server, slots, context)
-
-
 def simulate(args, overrides: dict | None = None):
+    from scheduler_proc.core import SchedulerConfig
     from sim.simulator import Simulator
 
-    pred, slots, context = _predictor_and_pool(args)
-    if overrides:
+    if overrides:  # (first: --vary kv_cache_gb or dp_size changes the pool per replica)
         args = argparse.Namespace(**{**vars(args), **overrides})
+    pred, slots, context = _predictor_and_pool(args)
     requests, measured = _requests(args)
-    sim = Simulator(_config(args, slots, context), pred, replicas=args.dp_size, pp_stages=args.pp_stages,
-                    load_balance_method=args.load_balance_method, seed=args.seed, progress=not args.no_progress)
+    sim = Simulator(SchedulerConfig.from_args(vars(args), slots, context), pred, replicas=args.dp_size,
+                    pp_stages=args.pp_stages, load_balance_method=args.load_balance_method, seed=args.seed,
+                    progress=not args.no_progress)
     return sim.run(requests), measured
 
 

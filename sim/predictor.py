@@ -58,8 +58,11 @@ class FittedPredictor(Predictor):
         self.description = f"fitted on {self.meta.get('cpu', 'this machine')} ({self.meta.get('dtype', '?')})"
 
     def seconds(self, batch) -> float:
+        return self.seconds_of_shape(step_shape(batch))
+
+    def seconds_of_shape(self, shape: tuple) -> float:
         w0, w1, w2, w3, w4 = self._w
-        t, s, pa, dc, r = step_shape(batch)
+        t, s, pa, dc, r = shape
         return self.intercept + w0 * t + w1 * s + w2 * pa + w3 * dc + w4 * r
 
     @classmethod

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.predictor import FEATURES, FittedPredictor, step_shape
+from sim.predictor import FittedPredictor, step_shape
 
 GRID_DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 GRID_CONTEXTS = (32, 256, 1024)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                                                          runner.config.head_dim, dtype),
             "context_len": runner.context_len, "steps": len(seconds), "profile_s": time.perf_counter() - t0}
     model = FittedPredictor.fit(shapes, seconds, meta)
-    pred = np.array([model.intercept + sum(model.coef[f] * x for f, x in zip(FEATURES, s)) for s in shapes])
+    pred = np.array([model.seconds_of_shape(s) for s in shapes])
     err = np.abs(pred - np.array(seconds)) / np.array(seconds)
     meta["fit_mape"], meta["fit_p90_error"] = float(err.mean()), float(np.percentile(err, 90))
     model.save(args.out, {"samples": [{"shape": list(s), "seconds": t} for s, t in zip(shapes, seconds)]})

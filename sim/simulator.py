@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ipc.messages import LoadReport, SamplingParams
 from scheduler_proc.core import SchedulerConfig, SchedulerCore
@@ -105,14 +105,12 @@ class Simulator:
                  load_balance_method: str = "round_robin", seed: int = 0, progress: bool = True):
         if replicas < 1 or pp_stages < 1:
             raise ValueError("replicas and pipeline stages: at least 1 each")
-        self.config = config
-        if pp_stages > 1:
-            config.hold_in_flight = True
+        self.config = replace(config, hold_in_flight=True) if pp_stages > 1 else config
         self.predictor = predictor
         self.stages = pp_stages
         self.balancer = LoadBalancer(load_balance_method, replicas, seed)
         self.needs_tokens = load_balance_method == "total_tokens"
-        self.replicas = [_Replica(i, SchedulerCore(_copy(config)), pp_stages) for i in range(replicas)]
+        self.replicas = [_Replica(i, SchedulerCore(replace(self.config)), pp_stages) for i in range(replicas)]
         self.progress = progress
 
     def run(self, requests: list[SimRequest]) -> SimResult:
@@ -249,15 +247,7 @@ class Simulator:
             if leaks or rep.core.waiting or rep.core.running:
                 raise RuntimeError(f"replica {rep.index} ended with work or leaks: {leaks}")
         return SimResult(records, steps, tbts, now, time.perf_counter() - wall0, len(self.replicas),
-                         self.config.max_total_tokens, self.predictor.description, _config_dict(self.config))
-
-
-def _copy(config: SchedulerConfig) -> SchedulerConfig:
-    return SchedulerConfig(**_config_dict(config))
-
-
-def _config_dict(config: SchedulerConfig) -> dict:
-    return {name: getattr(config, name) for name in config.__slots__}
+                         self.config.max_total_tokens, self.predictor.description, asdict(self.config))
 
 
 def _progress(total: int):

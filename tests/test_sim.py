@@ -137,12 +137,7 @@ def test_pipeline_stages_overlap_disjoint_micro_batches():
     reqs = workload.generate(64, arrival="burst", pd_ratio=None, prompt_len=(20, 20), output_len=(50, 50), seed=8)
     one = Simulator(config(max_running_requests=64), UnitSteps(0.02), progress=False).run(reqs)
 
-    class Checked(UnitSteps):
-        def __init__(self):
-            super().__init__(0.02)
-            self.flight: list[set] = []
-
-    unit = Checked()
+    unit = UnitSteps(0.02)
     two = Simulator(config(max_running_requests=64), unit, pp_stages=2, progress=False).run(reqs)
     for a, b in zip(unit.batches, unit.batches[1:]):  # consecutive steps are in flight together
         assert not {r for r, _, _ in a} & {r for r, _, _ in b}
