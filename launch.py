@@ -125,15 +125,19 @@ class ServerArgs:
     tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
                            "MLP columns, vocabulary rows) and run every step together (torch.distributed: gloo on "
                            "CPU); it must divide the attention heads and the MLP size")
+    pp_size: int = _arg(1, "pipeline stages: the layers split into this many worker processes (each with --tp-size "
+                           "ranks) that pass each step's hidden states on (torch.distributed point-to-point); the "
+                           "scheduler keeps up to this many disjoint micro-batches in flight so every stage works "
+                           "at once")
     dp_size: int = _arg(1, "data-parallel ranks: whole replicas of the model, each a scheduler with its own "
                            "tensor-parallel workers and KV pool, fed by a DP controller process")
     nnodes: int = _arg(1, "hosts that serve together: node 0 runs the HTTP server, tokenizer, DP controller, "
-                          "schedulers and detokenizer, and every node its share of each tensor-parallel group's "
-                          "workers (--tp-size must be a multiple of --nnodes)")
+                          "schedulers and detokenizer, and every node its share of each data-parallel rank's "
+                          "workers (--tp-size x --pp-size must be a multiple of --nnodes)")
     node_rank: int = _arg(0, "this host's rank among --nnodes (0: the one that serves)")
     dist_init_addr: str | None = _arg(None, "HOST:PORT of node 0, needed with --nnodes > 1: the workers meet there "
                                             "(torch.distributed) and reach their schedulers on HOST, at PORT and "
-                                            "the ports after it (2 x dp + dp x tp of them); bound to HOST only")
+                                            "the ports after it (2 x dp + dp x tp x pp of them); bound to HOST only")
     load_balance_method: str = _arg("round_robin", "how the DP controller picks a rank for each request (a "
                                                    "request's routed_dp_rank overrides it)",
                                     choices=tuple(LOAD_BALANCE_METHODS.names()))
@@ -164,6 +168,9 @@ class ServerArgs:
                                           "stalled or hung worker: the server logs it and shuts down (0: no watchdog)")
     graceful_shutdown_timeout: float = _arg(2.0, "on SIGTERM or SIGINT: new requests get HTTP 503, requests in flight "
                                                  "get this many seconds to finish, then end with an error")
+    step_trace_dir: str | None = _arg(None, "each worker writes its forward passes into this folder as a Chrome "
+                                            "trace (chrome://tracing, Perfetto): when each computed which step, "
+                                            "with its collective and pipeline-wait times")
     log_level: str = _arg("info", "log level", choices=("debug", "info", "warning", "error"))
     startup_timeout_s: float = _arg(600.0, "give up if the processes are not ready by then")
 
@@ -182,7 +189,7 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: at least 0 (0: no CUDA graphs)")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: a fraction in [0, 1)")
-        for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters", "max_request_bytes"):
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
         for name in ("watchdog_timeout", "graceful_shutdown_timeout"):
@@ -191,9 +198,9 @@ class ServerArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank}: choose one of 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1:
-            if self.tp_size % self.nnodes:
-                raise ValueError(f"tp_size={self.tp_size}: with --nnodes {self.nnodes} it must be a multiple of it "
-                                 "(each host runs its share of every tensor-parallel group)")
+            if (self.tp_size * self.pp_size) % self.nnodes:
+                raise ValueError(f"tp_size={self.tp_size}: with --nnodes {self.nnodes}, tp_size x pp_size must be a "
+                                 "multiple of it (each host runs its share of every data-parallel rank's workers)")
             if not re.fullmatch(r"[\w.-]+:\d+", self.dist_init_addr or ""):
                 raise ValueError(f"dist_init_addr={self.dist_init_addr!r}: with --nnodes > 1 give node 0's HOST:PORT")
 
@@ -252,6 +259,16 @@ def check_dllm(args: ServerArgs, config: ModelConfig) -> None:
                          f"prefix cache must hold whole blocks (pass --page-size {block})")
 
 
+def check_pipeline(args: ServerArgs, config: ModelConfig) -> None:
+    """A pipeline set-up that cannot work is refused before anything starts."""
+    if args.pp_size == 1:
+        return
+    if args.pp_size > config.num_layers:
+        raise ValueError(f"--pp-size {args.pp_size}: the model has only {config.num_layers} layers to split")
+    if args.dllm_algorithm is not None:
+        raise ValueError("--pp-size > 1 with --dllm-algorithm: diffusion rounds run on one pipeline stage only")
+
+
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer (chat models often end
     turns with a token the base config does not list)."""
@@ -273,25 +290,27 @@ class Launcher:
     them: any child's death takes the whole tree down. `shutdown()` (also run at interpreter
     exit) ends every child and removes the ipc folder."""
 
-    def children(self) -> list[tuple[str, str, int, int]]:
-        """(name, module, data-parallel rank, tensor-parallel rank) of every child process this
-        host runs: on node 0 the detokenizer, the DP controller (with --dp-size > 1), the
-        schedulers, and every node its share of each data-parallel rank's workers (tensor-parallel
-        ranks split evenly over the nodes, in order). Names carry the ranks there are: worker,
-        worker_tp1, scheduler_dp1, worker_dp1_tp0, ..."""
-        dp, tp, node = self.args.dp_size, self.args.tp_size, self.args.node_rank
-        per_node = tp // self.args.nnodes
+    def children(self) -> list[tuple[str, str, int, int, int]]:
+        """(name, module, data-parallel rank, tensor-parallel rank, pipeline stage) of every child
+        process this host runs: on node 0 the detokenizer, the DP controller (with --dp-size > 1),
+        the schedulers, and every node its share of each data-parallel rank's workers (stage by
+        stage, tensor-parallel ranks in order, split evenly over the nodes). Names carry the ranks
+        there are: worker, worker_tp1, worker_pp1, scheduler_dp1, worker_dp1_pp0_tp1, ..."""
+        dp, tp, pp, node = self.args.dp_size, self.args.tp_size, self.args.pp_size, self.args.node_rank
+        per_node = tp * pp // self.args.nnodes
 
-        def named(base: str, d: int, r: int | None = None) -> str:
-            return base + (f"_dp{d}" if dp > 1 else "") + (f"_tp{r}" if r is not None and tp > 1 else "")
+        def named(base: str, d: int, r: int | None = None, p: int | None = None) -> str:
+            return (base + (f"_dp{d}" if dp > 1 else "") + (f"_pp{p}" if p is not None and pp > 1 else "")
+                    + (f"_tp{r}" if r is not None and tp > 1 else ""))
 
-        out = [("detokenizer", "detokenizer_proc.process", 0, 0)] if node == 0 else []
+        out = [("detokenizer", "detokenizer_proc.process", 0, 0, 0)] if node == 0 else []
         if dp > 1 and node == 0:
-            out.append(("dp_controller", "scheduler_proc.dp_controller", 0, 0))
+            out.append(("dp_controller", "scheduler_proc.dp_controller", 0, 0, 0))
         for d in range(dp):
-            out += [(named("worker", d, r), "worker_proc.process", d, r) for r in range(tp) if r // per_node == node]
+            out += [(named("worker", d, r, p), "worker_proc.process", d, r, p)
+                    for p in range(pp) for r in range(tp) if (p * tp + r) // per_node == node]
             if node == 0:
-                out.append((named("scheduler", d), "scheduler_proc.process", d, 0))
+                out.append((named("scheduler", d), "scheduler_proc.process", d, 0, 0))
         return out
 
     def __init__(self, args: ServerArgs, model_dir: Path, extra: dict[str, Any]):
@@ -301,7 +320,7 @@ class Launcher:
         if args.nnodes > 1:  # the sockets between schedulers and workers cross hosts
             host, port = args.dist_init_addr.rsplit(":", 1)
             tcp = (host, int(port))
-        self.endpoints = Endpoints.create(tcp, args.dp_size, args.tp_size)
+        self.endpoints = Endpoints.create(tcp, args.dp_size, args.tp_size * args.pp_size)
         self.extra = extra
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready_info: dict[str, dict] = {}
@@ -317,13 +336,14 @@ class Launcher:
         inbox = self._inbox
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         server_args = {**dataclasses.asdict(self.args), **self.extra}
-        if self.args.tp_size > 1:  # where each tensor-parallel group meets (torch.distributed's TCP store)
+        if self.args.tp_size * self.args.pp_size > 1:  # where each rank's workers meet (torch.distributed's store)
             server_args["dist_init_addrs"] = [
                 self.endpoints.dist_init_addr_of(d) if self.args.nnodes > 1 else f"127.0.0.1:{_free_port()}"
                 for d in range(self.args.dp_size)]
         children = self.children()
-        for name, module, dp_rank, tp_rank in children:
-            cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args, dp_rank=dp_rank, tp_rank=tp_rank)
+        for name, module, dp_rank, tp_rank, pp_rank in children:
+            cfg = ChildConfig(name, self.endpoints, str(self.model_dir), server_args, dp_rank=dp_rank, tp_rank=tp_rank,
+                              pp_rank=pp_rank)
             self.procs[name] = subprocess.Popen([sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
                                                 env=env, cwd=str(ROOT))
         try:
@@ -415,6 +435,7 @@ def _prepare(args: ServerArgs):
     model_dir = resolve_model_path(args.model_path)
     model_config = ModelConfig.from_dir(model_dir)
     TPShard.of(model_config, 0, args.tp_size)  # a size that does not divide the model: refused now
+    check_pipeline(args, model_config)
     check_dllm(args, model_config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
@@ -422,7 +443,7 @@ def _prepare(args: ServerArgs):
     first_scheduler, first_worker = (next(info for name, info in launcher.ready_info.items() if name.startswith(kind))
                                      for kind in ("scheduler", "worker"))
     info = {"model_path": str(model_dir), **first_scheduler, **first_worker, "tp_size": args.tp_size,
-            "dp_size": args.dp_size}
+            "pp_size": args.pp_size, "dp_size": args.dp_size}
     if args.dp_size > 1:  # every scheduler plans its own pool: the server holds them all
         info["max_total_tokens"] = sum(i["max_total_tokens"] for name, i in launcher.ready_info.items()
                                        if name.startswith("scheduler"))
@@ -586,6 +607,7 @@ def serve_worker_node(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
     model_dir = resolve_model_path(args.model_path)
     TPShard.of(ModelConfig.from_dir(model_dir), 0, args.tp_size)
+    check_pipeline(args, ModelConfig.from_dir(model_dir))
     launcher = Launcher(args, model_dir, {})
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -28,6 +28,7 @@ class ChildConfig(msgspec.Struct):
     server_args: dict  # the launcher's ServerArgs as plain fields
     dp_rank: int = 0  # the data-parallel rank a scheduler or worker serves
     tp_rank: int = 0  # a worker's rank in its tensor-parallel group
+    pp_rank: int = 0  # a worker's pipeline stage
 
 
 def die_with_parent() -> None:

@@ -57,7 +57,7 @@ def _alive(pid: int) -> bool:
 
 class Endpoints(msgspec.Struct):
     """Where each process listens. Per data-parallel rank (scheduler_in, scheduler_results) and per
-    (data-parallel, tensor-parallel) rank (worker_in), these are bases: see the *_of methods."""
+    worker of a data-parallel rank (worker_in), these are bases: see the *_of methods."""
 
     scheduler_in: str  # tokenizer or DP controller -> scheduler
     worker_in: str  # scheduler -> worker
@@ -71,16 +71,16 @@ class Endpoints(msgspec.Struct):
     tcp_host: str = ""
     tcp_port: int = 0
     dp_size: int = 1
-    tp_size: int = 1
+    group_size: int = 1  # workers per data-parallel rank: tp x pp
 
     @classmethod
-    def create(cls, tcp: tuple[str, int] | None = None, dp_size: int = 1, tp_size: int = 1) -> "Endpoints":
+    def create(cls, tcp: tuple[str, int] | None = None, dp_size: int = 1, group_size: int = 1) -> "Endpoints":
         sweep_stale_directories()
         base = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-")  # mkdtemp makes it 0700
-        names = [n for n in cls.__struct_fields__ if n not in ("tcp_host", "tcp_port", "dp_size", "tp_size")]
+        names = [n for n in cls.__struct_fields__ if n not in ("tcp_host", "tcp_port", "dp_size", "group_size")]
         host, port = tcp or ("", 0)
         return cls(**{name: f"ipc://{base}/{name}" for name in names}, tcp_host=host, tcp_port=port,
-                   dp_size=dp_size, tp_size=tp_size)
+                   dp_size=dp_size, group_size=group_size)
 
     def dist_init_addr_of(self, dp_rank: int) -> str:
         """Where data-parallel rank dp_rank's tensor-parallel group meets (several hosts only)."""
@@ -95,14 +95,15 @@ class Endpoints(msgspec.Struct):
 
     def scheduler_results_of(self, dp_rank: int) -> str:
         if self.tcp_host:
-            return self._tcp(self.dp_size + self.dp_size * self.tp_size + dp_rank)
+            return self._tcp(self.dp_size + self.dp_size * self.group_size + dp_rank)
         return f"{self.scheduler_results}-{dp_rank}"
 
-    def worker_in_of(self, dp_rank: int, tp_rank: int) -> str:
-        """The scheduler -> worker socket of one tensor-parallel rank of one data-parallel rank."""
+    def worker_in_of(self, dp_rank: int, index: int) -> str:
+        """The scheduler -> worker socket of one worker (index: pp rank x tp size + tp rank) of one
+        data-parallel rank."""
         if self.tcp_host:
-            return self._tcp(self.dp_size + dp_rank * self.tp_size + tp_rank)
-        return f"{self.worker_in}-{dp_rank}-{tp_rank}"
+            return self._tcp(self.dp_size + dp_rank * self.group_size + index)
+        return f"{self.worker_in}-{dp_rank}-{index}"
 
     def _tcp(self, offset: int) -> str:
         return f"tcp://{self.tcp_host}:{self.tcp_port + offset}"

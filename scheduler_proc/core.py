@@ -61,9 +61,11 @@ class SchedulerConfig:
     batching_strategy: str = "loom"  # batching.py
     max_waiting_iters: int = 10  # lightllm batching: decode steps between prompt steps
     watermark: float = 0.01  # vllm batching: pool fraction kept free when admitting
-    # Pipeline stages (micro-batches): a request with a row in a step not yet applied is left
-    # out of the next plans, so several steps of disjoint requests can be in flight.
-    hold_in_flight: bool = False
+    # Pipeline stages (micro-batches in flight), above 1: a request with a row in a step not yet
+    # applied is left out of the next plans, so several steps of disjoint requests can be in
+    # flight, and a step takes at most its share (1 / stages) of the active requests, so that the
+    # micro-batches stay even (a burst admitted at once would otherwise ride one micro-batch).
+    pipeline_stages: int = 1
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     prefill_admission_policy: str = "fifo"
@@ -131,6 +133,7 @@ class SchedulerCore:
         self.idle_check_failures = 0
         self.last_batch_was_prefill = False
         self.now: float | None = None  # the clock value the caller passed to next_batch
+        self.row_cap: int | None = None  # requests the step being planned may take (pipeline stages)
         self._eos = frozenset(config.eos_token_ids)
         self.num_prompt_tokens = 0  # prompt tokens of every request admitted, once each
         self.num_cached_prompt_tokens = 0  # of those, the ones taken from the prefix cache
@@ -192,12 +195,14 @@ class SchedulerCore:
                 return None, ended
             self.step += 1
             return batch, ended
+        stages = self.config.pipeline_stages
+        self.row_cap = -(-(len(self.running) + len(self.waiting)) // stages) if stages > 1 else None
         ended += self.batching.plan(self, batch)
         self.retracted_last_step = self.num_retractions > retractions
         if not batch.rows:
             return None, ended
         self.last_batch_was_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in batch.rows)
-        if self.config.hold_in_flight:
+        if stages > 1:
             for row in batch.rows:
                 row.req.in_flight = True
         for row in batch.rows:
@@ -235,7 +240,7 @@ class SchedulerCore:
         """Apply a step's sampled tokens (one per sampling row, in row order) and, for requests
         that asked, their logprobs (opaque to the core; kept aligned with output_ids)."""
         outputs: list[ReqOutput] = []
-        if self.config.hold_in_flight:
+        if self.config.pipeline_stages > 1:
             for row in batch.rows:
                 row.req.in_flight = False
         tokens = iter(next_token_ids)
@@ -276,7 +281,7 @@ class SchedulerCore:
             # (a request whose last token is still in flight needs no more once that one is its
             # last: the normal loop never has such a request running)
             decoding = [r for r in self.running if r.num_pending == 1 and not self._last_token_planned(r)
-                        and not r.in_flight]
+                        and not r.in_flight][: self.row_cap]
             if self._make_room(len(decoding)):
                 break
             if len(self.running) == 1:
@@ -304,7 +309,7 @@ class SchedulerCore:
         )
         # A request whose prompt was chunked last step resumes first.
         for req in list(self.running):
-            if req.num_pending > 1 and not req.in_flight:
+            if req.num_pending > 1 and not req.in_flight and self._row_left(batch):
                 n = min(req.num_pending, adder.rem_input, adder.chunk_size or req.num_pending,
                         self._available())
                 if n > 0:
@@ -356,7 +361,11 @@ class SchedulerCore:
             return True
 
         self.admission.admit(candidates, adder, self._expected_output, admit,
-                             lambda: self.req_pool.num_free > 0, self._pending)
+                             lambda: self.req_pool.num_free > 0 and self._row_left(batch), self._pending)
+
+    def _row_left(self, batch: ScheduleBatch) -> bool:
+        """Whether the step may take one more request (a pipeline's micro-batch takes its share)."""
+        return self.row_cap is None or len(batch.rows) < self.row_cap
 
     def _pending(self, req: Req) -> int:
         """Tokens the request would compute if admitted now: its pending ones less its cached prefix."""

@@ -1,5 +1,5 @@
-"""The scheduler's two event loops over the same scheduling core; they differ only in when they
-call it (--disable-overlap-schedule picks the normal one).
+"""The scheduler's event loops over the same scheduling core; they differ only in when they call
+it (--disable-overlap-schedule picks the normal one, --pp-size > 1 the pipeline's).
 
 normal:  plan step N, run it, apply its result, plan N+1, ...
 overlap: plan and launch step N+1 while step N runs, then apply N's result: the scheduler's CPU
@@ -7,11 +7,16 @@ overlap: plan and launch step N+1 while step N runs, then apply N's result: the 
          Step N+1 feeds N's sampled tokens by reference (the core's placeholders, resolved in the
          worker). When the core says planning ahead helps nothing or costs (overlap_blocker),
          the loop applies N's result first; each such step is counted by reason.
+pipeline: up to --pp-size steps in flight, each over requests no other step in flight holds
+         (SchedulerConfig.pipeline_stages: micro-batches), so stage s computes step N while stage
+         s+1 computes step N-1. Results come back in launch order; each applied one frees its
+         requests for the next plan.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -53,6 +58,24 @@ def event_loop_overlap(proc: "SchedulerProcess") -> None:
         if in_flight is not None:  # (its result may free room, or requests arrived meanwhile: plan again)
             proc.apply_result(in_flight)
         in_flight = batch
+        proc.metrics.on_scheduler_cpu(time.thread_time() - cpu)
+        if idle:
+            proc.idle_wait()
+
+
+def event_loop_pipeline(proc: "SchedulerProcess", stages: int) -> None:
+    in_flight: "deque[ScheduleBatch]" = deque()
+    while True:
+        cpu = time.thread_time()
+        while len(in_flight) < stages:
+            batch = proc.plan()
+            if batch is None:
+                break
+            proc.launch(batch)
+            in_flight.append(batch)
+        idle = not in_flight  # (the planning above found nothing to run)
+        if in_flight:
+            proc.apply_result(in_flight.popleft())
         proc.metrics.on_scheduler_cpu(time.thread_time() - cpu)
         if idle:
             proc.idle_wait()

@@ -19,7 +19,7 @@ from ipc.messages import (AbortReq, BatchResult, BatchTokenOut, FinishReason, Fl
 from ipc.proc import ChildConfig, run_child
 from ipc.sockets import PeerWatch, Receiver, Sender
 from scheduler_proc.core import ReqOutput, SchedulerConfig, SchedulerCore
-from scheduler_proc.event_loop import event_loop_normal, event_loop_overlap
+from scheduler_proc.event_loop import event_loop_normal, event_loop_overlap, event_loop_pipeline
 from scheduler_proc.schedule_batch import ScheduleBatch
 from scheduler_proc.step_metrics import StepMetrics
 from scheduler_proc.req import Req
@@ -84,16 +84,19 @@ class SchedulerProcess:
         self.dp_rank = config.dp_rank
         self.requests = Receiver(ctx, zmq.PULL, ep.scheduler_in_of(self.dp_rank), ToScheduler)
         self.results = Receiver(ctx, zmq.PULL, ep.scheduler_results_of(self.dp_rank), FromWorker)
-        # one socket per tensor-parallel rank: every rank runs every step
-        self.workers = [Sender(ctx, zmq.PUSH, ep.worker_in_of(self.dp_rank, rank), bind=True)
-                        for rank in range(args["tp_size"])]
+        # one socket per worker (tensor-parallel rank of each pipeline stage): every worker runs every step
+        self.pp_size = args.get("pp_size", 1)
+        self.workers = [Sender(ctx, zmq.PUSH, ep.worker_in_of(self.dp_rank, index), bind=True)
+                        for index in range(args["tp_size"] * self.pp_size)]
         self.detokenizer = Sender(ctx, zmq.PUSH, ep.detokenizer_in)
         # data parallelism: this rank's load goes to the DP controller at a bounded rate
         self.controller = Sender(ctx, zmq.PUSH, ep.controller_in) if args["dp_size"] > 1 else None
         self.received = 0  # requests received since start
         self.metrics = StepMetrics(args.get("log_interval") or 0)
-        # (a diffusion step's rows continue from its result: nothing to plan ahead)
-        self.overlap = not args.get("disable_overlap_schedule", True) and not args.get("dllm_algorithm")
+        # (a diffusion step's rows continue from its result: nothing to plan ahead; a pipeline
+        # plans ahead its own way: event_loop_pipeline)
+        self.overlap = (not args.get("disable_overlap_schedule", True) and not args.get("dllm_algorithm")
+                        and self.pp_size == 1)
         self.watchdog_timeout = args.get("watchdog_timeout") or 0  # seconds a step may take (0: no limit)
         self.share_samples = self.overlap and args["tp_size"] > 1  # every TP rank's future map needs them
         self.launched_after_idle: set[int] = set()  # steps whose worker gap is idle time, not overhead
@@ -125,7 +128,7 @@ class SchedulerProcess:
         eos = tuple(args.get("eos_token_ids") or ())
         self.core = SchedulerCore(
             SchedulerConfig.from_args(args, ready.max_total_tokens, ready.max_context_len, eos,
-                                      **dllm_scheduling(args, config.model_dir)),
+                                      pipeline_stages=self.pp_size, **dllm_scheduling(args, config.model_dir)),
             stop_checker=StopChecker(decoder),
         )
         self.clock = time.monotonic
@@ -203,7 +206,10 @@ class SchedulerProcess:
     # ---- the steps the event loops (event_loop.py) are made of ----------------------------------
 
     def run(self) -> None:
-        (event_loop_overlap if self.overlap else event_loop_normal)(self)
+        if self.pp_size > 1:
+            event_loop_pipeline(self, self.pp_size)
+        else:
+            (event_loop_overlap if self.overlap else event_loop_normal)(self)
 
     def plan(self) -> ScheduleBatch | None:
         """Queued requests in, then the core's next step (None: nothing to run)."""

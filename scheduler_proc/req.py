@@ -42,7 +42,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens it did not compute (taken from the prefix cache)
     cache_node: object = None  # the prefix cache node it locks (radix_cache.TreeNode)
     prefix_table_due: bool = False  # its next row tells the worker where its cached prefix lies
-    in_flight: bool = False  # in a step not yet applied (SchedulerConfig.hold_in_flight only)
+    in_flight: bool = False  # in a step not yet applied (SchedulerConfig.pipeline_stages only)
     # Block diffusion (scheduler_proc/dllm.py): the block being denoised, as the last round left
     # it (None: the next block starts from masks), the algorithm's state for it (opaque here,
     # handed back verbatim), and how many leading positions have KV computed from their final ids

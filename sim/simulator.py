@@ -6,7 +6,7 @@ from a predictor (predictor.py); its sampled tokens are placeholders that never 
 
 Pipeline stages (--pp-stages K): a step passes K stages of 1/K of its time each; a replica keeps
 up to K steps of disjoint requests in flight (the core leaves requests in flight out of its next
-plans: SchedulerConfig.hold_in_flight), so stage s works on micro-batch i while stage s+1 works on
+plans: SchedulerConfig.pipeline_stages), so stage s works on micro-batch i while stage s+1 works on
 micro-batch i-1.
 """
 
@@ -105,7 +105,7 @@ class Simulator:
                  load_balance_method: str = "round_robin", seed: int = 0, progress: bool = True):
         if replicas < 1 or pp_stages < 1:
             raise ValueError("replicas and pipeline stages: at least 1 each")
-        self.config = replace(config, hold_in_flight=True) if pp_stages > 1 else config
+        self.config = replace(config, pipeline_stages=pp_stages)
         self.predictor = predictor
         self.stages = pp_stages
         self.balancer = LoadBalancer(load_balance_method, replicas, seed)

@@ -21,6 +21,7 @@ from worker_proc.model_config import ModelConfig, dllm_block_size, dllm_mask_tok
 from worker_proc.model_loader import iter_checkpoint_tensors
 from worker_proc.models import MODEL_CLASSES
 from worker_proc.ops import Ops
+from worker_proc.pipeline_parallel import PPGroup, stage_layers
 from worker_proc.penalties import OutputTokenCounts, PenaltyBatch, PromptTokenMask, logprobs
 from worker_proc.sampler import SamplingBatch, sample
 from worker_proc.tensor_parallel import TPGroup, TPShard
@@ -53,12 +54,13 @@ class RunnerConfig:
     dllm_max_post_edit_steps: int = 4
 
 
-def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float, shard: TPShard | None = None) -> int:
-    """KV slots that fit the memory budget (`--kv-cache-gb` on CPU: all tensor-parallel ranks
-    together, each holding its KV heads' part of every slot)."""
+def plan_kv_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_gb: float, shard: TPShard | None = None,
+                  num_layers: int | None = None, pp_size: int = 1) -> int:
+    """KV slots that fit the memory budget (`--kv-cache-gb` on CPU: all tensor-parallel ranks and
+    pipeline stages together, each holding its KV heads' part of every slot for its `num_layers`)."""
     shard = shard or TPShard.of(config)
-    per_token = KVPool.bytes_per_token(config.num_layers, shard.num_kv_heads, config.head_dim, dtype)
-    slots = int(kv_cache_gb / shard.size * (1 << 30)) // per_token
+    per_token = KVPool.bytes_per_token(num_layers or config.num_layers, shard.num_kv_heads, config.head_dim, dtype)
+    slots = int(kv_cache_gb / (shard.size * pp_size) * (1 << 30)) // per_token
     if slots < 16:
         raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds only {slots} tokens ({per_token} bytes each)")
     return slots
@@ -127,9 +129,10 @@ def _load_kernels(backend: str, device: str, isa: str):
 
 class ModelRunner:
     """One worker's model, KV pool and sampler: the whole model, or with `tp` one tensor-parallel
-    rank's shard (rank 0 samples; the other ranks' forward returns no ids)."""
+    rank's shard (rank 0 samples; the other ranks' forward returns no ids), or with `pp` one
+    pipeline stage's layers (the last stage samples; the others pass their hidden states on)."""
 
-    def __init__(self, rc: RunnerConfig, tp: TPGroup | None = None):
+    def __init__(self, rc: RunnerConfig, tp: TPGroup | None = None, pp: PPGroup | None = None):
         self.config = ModelConfig.from_dir(rc.model_dir)
         self.dtype = rc.dtype
         self.device = rc.device
@@ -150,7 +153,9 @@ class ModelRunner:
                                else cpu_kernels.describe(rc.kernel_isa, kernels.target_macros()))
         self.tp = tp = tp or TPGroup()
         self.shard = shard = TPShard.of(self.config, tp.rank, tp.size)
-        model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len, ops, shard, tp)
+        self.pp = pp = pp or PPGroup()
+        stage = stage_layers(self.config.num_layers, pp.size, pp.rank)
+        model = MODEL_CLASSES[self.config.architecture](self.config, self.context_len, ops, shard, tp, stage)
         model.load_weights(iter_checkpoint_tensors(rc.model_dir))
         self.model = model.to(dtype=rc.dtype, device=rc.device).eval()
         quantize_linears(self.model, rc.quantization, tp)  # after the cast: scales stay float32
@@ -162,8 +167,8 @@ class ModelRunner:
         if self.on_gpu:
             self.num_slots = plan_kv_slots_gpu(self.config, rc.dtype, rc.mem_fraction_static, shard, rc.device)
         else:
-            self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb, shard)
-        self.pool = KVPool(self.config.num_layers, self.num_slots, shard.num_kv_heads, self.config.head_dim,
+            self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb, shard, len(stage), pp.size)
+        self.pool = KVPool(len(stage), self.num_slots, shard.num_kv_heads, self.config.head_dim,
                            rc.dtype, rc.max_running_requests, self.context_len, rc.device)
         self.attention_backend = resolve_attention_backend(rc.attention_backend, rc.device, kernels)
         if rc.deterministic and not (self.on_gpu and self.attention_backend == "triton"):
@@ -190,8 +195,8 @@ class ModelRunner:
         self.futures = FutureMap(rc.max_running_requests)  # sampled ids a later step references
         self.graphs = None
         if self.on_gpu and rc.cuda_graph_max_bs > 0 and self.attention_backend == "triton":
-            if tp.size > 1:
-                log.info("CUDA graphs are off with tensor parallelism (collectives are not captured)")
+            if tp.size > 1 or pp.size > 1:
+                log.info("CUDA graphs are off with tensor or pipeline parallelism (collectives are not captured)")
             else:
                 from worker_proc.cuda_graph import DecodeGraphs
 
@@ -230,12 +235,16 @@ class ModelRunner:
             self._apply_prefix_tables(batch, fb)
         if batch.track_tokens:
             self._record_tokens(fb, batch.prompt_lens)
+        hidden = None if self.pp.is_first else self.pp.recv(len(fb.input_ids), self.config.hidden_size, self.dtype)
         if self.staging is None:
             self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
             self.attn.prepare(fb)
-            model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows)
+            model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows, hidden)
         else:
-            model_logits = self._forward_on_device(fb)
+            model_logits = self._forward_on_device(fb, hidden)
+        if not self.pp.is_last:
+            self.pp.send(*model_logits)
+            return [], []
         if not batch.sampling or model_logits is None:  # (None: a tensor-parallel rank other than 0)
             return [], []
         pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
@@ -257,7 +266,7 @@ class ModelRunner:
                if p.logprobs else None for i, p in enumerate(batch.sampling)]
         return ids.tolist(), out
 
-    def _forward_on_device(self, fb: ForwardBatch) -> torch.Tensor | None:
+    def _forward_on_device(self, fb: ForwardBatch, hidden=None):
         """The forward pass with the step's tensors on the device: one upload of its tables, one
         scatter into req_to_token, then a CUDA graph's replay (a decode step it covers) or the
         eager model."""
@@ -279,7 +288,7 @@ class ModelRunner:
         self.pool.write_rows(reqs, positions, loc)
         fb.input_ids, fb.positions, fb.out_cache_loc, fb.logit_rows = ids, positions, loc, logit_rows
         self.attn.prepare(fb)
-        return self.model(ids, positions, self.attn, logit_rows)
+        return self.model(ids, positions, self.attn, logit_rows, hidden)
     @torch.inference_mode()
     def forward_dllm(self, batch: ModelWorkerBatch):
         """A step of block-diffusion rounds (worker_proc/dllm.py): the rows' blocks, accept

@@ -79,9 +79,10 @@ class TPGroup:
     """The collectives of one tensor-parallel group (no-ops at size 1). `collective_s` adds up the
     seconds spent in them (waiting for the other ranks included): the step trace reports it."""
 
-    def __init__(self, rank: int = 0, size: int = 1, device: str = "cpu"):
+    def __init__(self, rank: int = 0, size: int = 1, device: str = "cpu", group=None):
         self.rank, self.size = rank, size
         self.device = device  # where the small tensors of broadcasts live (NCCL takes GPU tensors only)
+        self.group = group  # torch.distributed's process group (None: the whole world, no pipeline stages)
         self.collective_s = 0.0
 
     @classmethod
@@ -98,7 +99,7 @@ class TPGroup:
             import torch.distributed as dist
 
             start = time.perf_counter()
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
             self.collective_s += time.perf_counter() - start
         return x
 
@@ -107,7 +108,7 @@ class TPGroup:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -119,7 +120,7 @@ class TPGroup:
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
         start = time.perf_counter()
-        dist.gather(logits, parts, dst=0)
+        dist.gather(logits, parts, group=self.group, group_dst=0)
         self.collective_s += time.perf_counter() - start
         return torch.cat(parts, dim=1)[:, :vocab_size] if parts is not None else None
 
@@ -131,7 +132,7 @@ class TPGroup:
         import torch.distributed as dist
 
         box = torch.tensor([index], dtype=torch.int64, device=self.device)
-        dist.broadcast(box, src=0)
+        dist.broadcast(box, group=self.group, group_src=0)
         return int(box.item())
 
     def broadcast_ids(self, ids: list[int], n: int) -> list[int]:
@@ -140,12 +141,12 @@ class TPGroup:
 
         box = torch.tensor(ids if self.rank == 0 else [0] * n, dtype=torch.int64, device=self.device)
         start = time.perf_counter()
-        dist.broadcast(box, src=0)
+        dist.broadcast(box, group=self.group, group_src=0)
         self.collective_s += time.perf_counter() - start
         return box.tolist()
 
     def close(self) -> None:
-        if self.size > 1:
+        if self.size > 1 and self.group is None:  # (a pipeline's groups: PPGroup.close)
             import torch.distributed as dist
 
             if dist.is_initialized():

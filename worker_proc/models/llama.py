@@ -135,38 +135,49 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The model, or one tensor-parallel rank's shard of it (`shard`, `tp`): forward returns the
-    logits of the whole vocabulary on rank 0 and None on the other ranks."""
+    """The model, or one tensor-parallel rank's shard of it (`shard`, `tp`), or one pipeline
+    stage's layers of it (`stage`): forward returns the logits of the whole vocabulary on
+    tensor-parallel rank 0 of the last stage, None on the other ranks, and a stage before the last
+    returns its hidden state and residual for the next."""
 
     def __init__(self, config: ModelConfig, max_positions: int, ops: Ops | None = None,
-                 shard: TPShard | None = None, tp: TPGroup | None = None):
+                 shard: TPShard | None = None, tp: TPGroup | None = None, stage: range | None = None):
         super().__init__()
         self.config = config
         self.ops = ops = ops or Ops()
         self.shard = shard = shard or TPShard.of(config)
         self.tp = tp = tp or TPGroup()
+        self.stage = stage = stage if stage is not None else range(config.num_layers)
+        self.is_first_stage, self.is_last_stage = stage.start == 0, stage.stop == config.num_layers
         # vocabulary rows [vocab_start, vocab_start + vocab_rows) of the embedding and LM head
-        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, shard, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        holds_embedding = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size) if holds_embedding else None
+        # layer i of the model is self.layers[i - stage.start]; its KV lives in the pool's layer of that index
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, shard, tp) for i in range(len(stage)))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops) if self.is_last_stage else None
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.lm_head = Linear(config.hidden_size, shard.vocab_rows, False, ops)
-        if config.tie_word_embeddings:
+        self.lm_head = Linear(config.hidden_size, shard.vocab_rows, False, ops) if self.is_last_stage else None
+        if self.is_last_stage and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.layer_stack = None  # see build_layer_stack
         self.layer_stack_rows = 0
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, logit_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits, in the model's dtype, of the token rows in `logit_rows`."""
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, logit_rows: torch.Tensor,
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Logits, in the model's dtype, of the token rows in `logit_rows`. A pipeline stage after
+        the first starts from `hidden` (the previous stage's hidden state and residual); one before
+        the last returns its own."""
         run_model = getattr(attn, "run_model", None)
         if self.layer_stack is not None and run_model is not None and len(input_ids) <= self.layer_stack_rows:
             logits = run_model(self.layer_stack, input_ids, logit_rows, positions, self.rotary.cos, self.rotary.sin)
             return self.tp.gather_vocab(logits, self.config.vocab_size)
-        x, residual = self._embed(input_ids), None
+        x, residual = (self._embed(input_ids), None) if hidden is None else hidden
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
+        if not self.is_last_stage:
+            return x, residual
         h, _ = self.ops.add_rms_norm(x[logit_rows], residual[logit_rows], self.norm.weight, self.norm.eps)
         return self.tp.gather_vocab(self.lm_head(h), self.config.vocab_size)
 
@@ -185,7 +196,9 @@ class CausalLM(nn.Module):
         (more for unquantized weights: Ops.dense_rows). Call after any weight change (loading,
         quantization). Models with per-head q/k norms keep the Python path."""
         kernels = self.ops.kernels
-        if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0:
+        # (it runs ids to logits: a pipeline stage's hidden states in and out take the Python path)
+        whole = len(self.stage) == self.config.num_layers
+        if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0 or not whole:
             return False
         self._pack_weights_in_step_order()
         c = self.config
@@ -240,6 +253,10 @@ class CausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             parts = name.split(".")
+            if not self._on_this_stage(parts):
+                continue  # another pipeline stage's: never read
+            if parts[0] == "layers":
+                parts[1] = str(int(parts[1]) - self.stage.start)
             fused_index = None
             if len(parts) >= 2 and parts[-2] in fused:
                 target, fused_index = fused[parts[-2]]
@@ -262,6 +279,12 @@ class CausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _on_this_stage(self, parts: list[str]) -> bool:
+        """Whether checkpoint tensor `parts` (its name, split) is held by this pipeline stage."""
+        if parts[0] == "layers":
+            return int(parts[1]) in self.stage
+        return getattr(self, parts[0], None) is not None
 
     def _fused_range(self, fused_name: str, index: int) -> tuple[int, int]:
         s, d = self.shard, self.config.head_dim
