@@ -1,5 +1,6 @@
-"""Data and tensor parallelism side by side in one run: the same seeded offline workload through
-loom's `Engine` at each --configs entry (dp x tp), one after the other, each alone on the machine.
+"""Data, tensor and pipeline parallelism side by side in one run: the same seeded offline workload
+through loom's `Engine` at each --configs entry (dp x tp x pp), one after the other, each alone on
+the machine.
 
 For each it prints output tok/s and the ratio to the first entry, the steps each data-parallel
 rank ran, and from the step trace (the workers time every forward pass and, of it, the
@@ -8,6 +9,7 @@ included) the forward and collective milliseconds per step.
 
     python benchmarks/bench_parallel.py                                   # dp1-tp1, dp2-tp1, dp1-tp3
     python benchmarks/bench_parallel.py --configs dp1-tp1,dp1-tp3 --num-requests 32
+    python benchmarks/bench_parallel.py --configs dp1-tp1,dp1-tp1-pp2      # two pipeline stages
 
 The embedded SmolLM2 has 9 attention heads: it runs at --tp-size 1 or 3, not 2.
 """
@@ -31,21 +33,26 @@ from benchmarks.probes import describe_machine, header_lines  # noqa: E402
 add_repo_to_path()
 
 
-def parse_configs(text: str) -> list[tuple[int, int]]:
+def parse_configs(text: str) -> list[tuple[int, int, int]]:
+    """(dp, tp, pp) of each dpN-tpM[-ppK] entry."""
     configs = []
     for part in text.split(","):
-        m = re.fullmatch(r"dp(\d+)-tp(\d+)", part.strip())
+        m = re.fullmatch(r"dp(\d+)-tp(\d+)(?:-pp(\d+))?", part.strip())
         if not m:
-            raise SystemExit(f"--configs: {part!r} is not of the form dpN-tpM")
-        configs.append((int(m.group(1)), int(m.group(2))))
+            raise SystemExit(f"--configs: {part!r} is not of the form dpN-tpM or dpN-tpM-ppK")
+        configs.append((int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)))
     return configs
+
+
+def config_name(dp: int, tp: int, pp: int) -> str:
+    return f"dp{dp}-tp{tp}" + (f"-pp{pp}" if pp > 1 else "")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="dp1-tp1,dp2-tp1,dp1-tp3",
-                   help="comma list of dpN-tpM, the first is the reference (default: %(default)s)")
+                   help="comma list of dpN-tpM or dpN-tpM-ppK, the first is the reference (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--input-range", default="32,256", help="prompt lengths, inclusive (default: %(default)s)")
     p.add_argument("--output-range", default="16,128", help="output lengths, inclusive (default: %(default)s)")
@@ -59,10 +66,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_config(dp: int, tp: int, requests, args) -> dict[str, Any]:
+def run_config(dp: int, tp: int, pp: int, requests, args) -> dict[str, Any]:
     from launch import Engine
 
-    with Engine(dtype=args.dtype, dp_size=dp, tp_size=tp, kv_cache_gb=args.kv_cache_gb,
+    with Engine(dtype=args.dtype, dp_size=dp, tp_size=tp, pp_size=pp, kv_cache_gb=args.kv_cache_gb,
                 max_running_requests=args.max_running_requests, log_level="warning") as engine:
         engine.generate(input_ids=[[100 + i for i in range(8)]] * dp * 2,
                         sampling_params={"max_new_tokens": 4, "ignore_eos": True, "temperature": 0.0})
@@ -81,7 +88,7 @@ def run_config(dp: int, tp: int, requests, args) -> dict[str, Any]:
                       "forward_ms_per_step": 1e3 * forward / max(steps, 1),
                       "collective_ms_per_step": 1e3 * collective / max(steps, 1),
                       "collective_share": collective / forward if forward else 0.0})
-    return {"dp_size": dp, "tp_size": tp, "wall_s": wall, "output_tokens": output_tokens,
+    return {"dp_size": dp, "tp_size": tp, "pp_size": pp, "wall_s": wall, "output_tokens": output_tokens,
             "output_tok_s": output_tokens / wall, "ranks": ranks}
 
 
@@ -103,16 +110,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"all at once; configurations {args.configs}"])), flush=True)
 
     results = []
-    for dp, tp in configs:
-        print(f"dp {dp} x tp {tp} ...", flush=True)
-        results.append(run_config(dp, tp, requests, args))
+    for dp, tp, pp in configs:
+        print(f"dp {dp} x tp {tp} x pp {pp} ...", flush=True)
+        results.append(run_config(dp, tp, pp, requests, args))
         print(f"  {results[-1]['output_tok_s']:.1f} output tok/s in {results[-1]['wall_s']:.1f} s", flush=True)
 
     reference = results[0]["output_tok_s"]
     rows = []
     for r in results:
         for rank in r["ranks"]:
-            rows.append([f"dp{r['dp_size']}-tp{r['tp_size']}" if rank["dp_rank"] == 0 else "",
+            rows.append([config_name(r["dp_size"], r["tp_size"], r["pp_size"]) if rank["dp_rank"] == 0 else "",
                          f"{r['output_tok_s']:.1f}" if rank["dp_rank"] == 0 else "",
                          f"{r['output_tok_s'] / reference:.2f}x" if rank["dp_rank"] == 0 else "",
                          rank["dp_rank"], rank["requests"], rank["steps"], f"{rank['forward_ms_per_step']:.1f}",

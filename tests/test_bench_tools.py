@@ -125,7 +125,7 @@ def test_one_batch_rooflines_come_from_probes_paired_with_each_batch(default_mod
 def test_parallel_benchmark_reports_each_configuration_and_its_collectives(default_model_dir, tmp_path, capsys):
     from benchmarks.bench_parallel import main, parse_configs
 
-    assert parse_configs("dp1-tp1, dp2-tp3") == [(1, 1), (2, 3)]
+    assert parse_configs("dp1-tp1, dp2-tp3, dp1-tp2-pp2") == [(1, 1, 1), (2, 3, 1), (1, 2, 2)]
     with pytest.raises(SystemExit):
         parse_configs("tp2")
     out = main(["--configs", "dp1-tp1,dp2-tp1,dp1-tp3", "--num-requests", "4", "--input-range", "8,16",
