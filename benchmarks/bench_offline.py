@@ -21,7 +21,7 @@ Every side gets the same seeded requests: random regular-token prompts (input le
   llamacpp-if-installed   llamacpp where llama_cpp imports, else nothing.
   vllm      vLLM's CPU engine (`LLM.generate`, all requests in one call, each with its own
             max_tokens, EOS ignored, greedy) on loom's checkpoint folder. vLLM lives in its own
-            environment (--vllm-python; common.VLLM_INSTALL_HINT), so
+            environment (--vllm-python; docs/benchmarks.md says how to install it), so
             benchmarks/vllm_offline_worker.py runs it there; only its generate call is timed.
             It gets loom's KV memory, requests at once and tokens per step (as hf-cb), its
             compute threads bound to --vllm-omp-threads-bind, and tcmalloc and Intel OpenMP
@@ -32,8 +32,8 @@ Every side gets the same seeded requests: random regular-token prompts (input le
 hf and hf-cb run in --hf-dtype (auto: loom's GEMM probe picks the faster dtype on this CPU);
 llama.cpp runs its GGUF's own format; vLLM runs --vllm-dtype. loom is shut down before the
 baselines start and each baseline frees its model before the next, so each side has every core
-to itself. The report
-starts with the CPU and probes of its GEMM and GEMV limits (benchmarks/probes.py).
+to itself. The report starts with the CPU and probes of its GEMM and GEMV limits
+(benchmarks/probes.py).
 
     python benchmarks/bench_offline.py                      # 128 requests, loom vs every baseline
     python benchmarks/bench_offline.py --quick              # smoke test: 8 short requests
