@@ -19,16 +19,26 @@ Every side gets the same seeded requests: random regular-token prompts (input le
             its own sampler; its generate loop never stops at EOS, so each request runs to its
             own length.
   llamacpp-if-installed   llamacpp where llama_cpp imports, else nothing.
+  vllm      vLLM's CPU engine (`LLM.generate`, all requests in one call, each with its own
+            max_tokens, EOS ignored, greedy) on loom's checkpoint folder. vLLM lives in its own
+            environment (--vllm-python; docs/benchmarks.md says how to install it), so
+            benchmarks/vllm_offline_worker.py runs it there; only its generate call is timed.
+            It gets loom's KV memory, requests at once and tokens per step (as hf-cb), its
+            compute threads bound to --vllm-omp-threads-bind, and tcmalloc and Intel OpenMP
+            preloaded as vLLM's CPU guide advises (where found; the header says which).
+  vllm-if-installed       vllm where --vllm-python imports vllm, else a line saying why not.
   none      loom only.
 
 hf and hf-cb run in --hf-dtype (auto: loom's GEMM probe picks the faster dtype on this CPU);
-llama.cpp runs its GGUF's own format. loom is shut down before the baselines start and each
-baseline frees its model before the next, so each side has every core to itself. The report
-starts with the CPU and probes of its GEMM and GEMV limits (benchmarks/probes.py).
+llama.cpp runs its GGUF's own format; vLLM runs --vllm-dtype. loom is shut down before the
+baselines start and each baseline frees its model before the next, so each side has every core
+to itself. The report starts with the CPU and probes of its GEMM and GEMV limits
+(benchmarks/probes.py).
 
     python benchmarks/bench_offline.py                      # 128 requests, loom vs every baseline
     python benchmarks/bench_offline.py --quick              # smoke test: 8 short requests
     python benchmarks/bench_offline.py --quick --baseline hf-cb,llamacpp
+    python benchmarks/bench_offline.py --baseline vllm --vllm-python ~/vllm-venv/bin/python
     python benchmarks/bench_offline.py --dtype bfloat16 --hf-dtype bfloat16 --json out.json
     python benchmarks/bench_offline.py --baseline none --num-requests 256 --max-running-requests 128
 
@@ -40,7 +50,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,9 +62,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (Request, add_repo_to_path, cpu_info, default_result_path, embedded_gguf,
-                               format_summary, format_table, gguf_format, llama_cpp_installed, num_cores,
-                               random_requests, summarize, write_json)
+from benchmarks.common import (DEFAULT_VLLM_PYTHON, ROOT, Request, add_repo_to_path, cpu_info, default_omp_bind,
+                               default_result_path, default_vllm_python, embedded_gguf, format_summary, format_table,
+                               gguf_format, llama_cpp_installed, log_tail, num_cores, random_requests, summarize,
+                               vllm_engine_args, vllm_env, vllm_preloads, vllm_version, write_json)
 from benchmarks.probes import PROBE_DTYPES, header_lines, probe_machine
 
 add_repo_to_path()
@@ -59,7 +73,7 @@ add_repo_to_path()
 import torch  # noqa: E402
 
 QUICK = {"num_requests": 8, "input_min": 16, "input_max": 64, "output_min": 8, "output_max": 32}
-BASELINES = ("hf", "hf-cb", "llamacpp")
+BASELINES = ("hf", "hf-cb", "llamacpp", "vllm")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,16 +99,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="prompt tokens per step (default: %(default)s)")
     lm.add_argument("--log-level", default="warning", help="loom's log level (default: %(default)s)")
     b = p.add_argument_group("baseline")
-    b.add_argument("--baseline", default="hf,hf-cb,llamacpp-if-installed",
+    b.add_argument("--baseline", default="hf,hf-cb,llamacpp-if-installed,vllm-if-installed",
                    help="comma list of hf (transformers static batching), hf-cb (transformers continuous "
-                        "batching), llamacpp (llama-cpp-python), llamacpp-if-installed, or none "
-                        "(default: %(default)s)")
+                        "batching), llamacpp (llama-cpp-python), llamacpp-if-installed, vllm (vLLM's CPU "
+                        "engine), vllm-if-installed, or none (default: %(default)s)")
     b.add_argument("--hf-batch-size", type=int, default=32, help="static batch size (default: %(default)s)")
     b.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="hf and hf-cb; auto: the GEMM probe loom uses, i.e. the faster dtype on this CPU "
                         "(default: %(default)s)")
     b.add_argument("--llamacpp-gguf", type=Path, default=None,
                    help="GGUF file for llamacpp (default: the embedded model's; needed with --model-path)")
+    b.add_argument("--vllm-python", default=default_vllm_python(),
+                   help=f"python of vLLM's own environment (default: $LOOM_VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
+    b.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="vllm's dtype (default: %(default)s)")
+    b.add_argument("--vllm-omp-threads-bind", default=default_omp_bind(),
+                   help="cores for vLLM's compute threads, its VLLM_CPU_OMP_THREADS_BIND (default: every core, "
+                        "%(default)s)")
     p.add_argument("--no-kernel-probe", action="store_true",
                    help="probe GEMV with torch only (loom's kernel may compile for a minute the first time)")
     p.add_argument("--json", type=Path, default=None,
@@ -105,15 +126,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
     try:
-        args.baselines = parse_baselines(args.baseline)
+        args.baselines = parse_baselines(args.baseline, args.vllm_python)
     except ValueError as e:
         p.error(str(e))
     return args
 
 
 
-def parse_baselines(text: str) -> list[str]:
-    """The --baseline comma list, in the canonical order, without duplicates."""
+def parse_baselines(text: str, vllm_python: str | None = None) -> list[str]:
+    """The --baseline comma list, in the canonical order, without duplicates. vllm is checked by
+    importing it with `vllm_python` (default: default_vllm_python())."""
     chosen: set[str] = set()
     for item in (x.strip() for x in text.split(",") if x.strip()):
         if item == "none":
@@ -121,13 +143,21 @@ def parse_baselines(text: str) -> list[str]:
         if item == "llamacpp-if-installed":
             if llama_cpp_installed():
                 chosen.add("llamacpp")
+        elif item == "vllm-if-installed":
+            version, why = vllm_version(vllm_python or default_vllm_python())
+            if version is not None:
+                chosen.add("vllm")
+            else:
+                print(f"vllm baseline skipped: {why}", flush=True)
         elif item in BASELINES:
             if item == "llamacpp" and not llama_cpp_installed():
                 raise ValueError("--baseline llamacpp: llama_cpp is not installed (pip install llama-cpp-python)")
+            if item == "vllm" and (why := vllm_version(vllm_python or default_vllm_python())[1]):
+                raise ValueError(f"--baseline vllm: {why}")
             chosen.add(item)
         else:
             raise ValueError(f"--baseline: unknown {item!r}; choose from {', '.join(BASELINES)}, "
-                             "llamacpp-if-installed, none")
+                             "llamacpp-if-installed, vllm-if-installed, none")
     return [b for b in BASELINES if b in chosen]
 
 
@@ -367,6 +397,40 @@ def run_llamacpp(gguf: Path, requests: list[Request], threads: int) -> dict[str,
     }
 
 
+# ---- vLLM baseline ----------------------------------------------------------------------------
+
+def run_vllm(python: str, model_dir: Path, requests: list[Request], dtype: str, engine_args: dict[str, int],
+             env: dict[str, str]) -> dict[str, Any]:
+    """vLLM's LLM.generate on every request at once, in vLLM's own environment
+    (benchmarks/vllm_offline_worker.py); its start-up and warm-up are not timed."""
+    with tempfile.TemporaryDirectory(prefix="loom-vllm-") as tmp:
+        job, out, log = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "vllm.log"
+        job.write_text(json.dumps({"model": str(model_dir), "dtype": dtype, "engine": engine_args,
+                                   "requests": [[r.input_ids, r.output_len] for r in requests]}))
+        with log.open("w") as log_file:
+            proc = subprocess.run([python, str(ROOT / "benchmarks" / "vllm_offline_worker.py"), str(job), str(out)],
+                                  env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"vLLM's offline run failed (exit code {proc.returncode}); its log ends:\n"
+                               + log_tail(log))
+        got = json.loads(out.read_text())
+
+    short = [(i, n, r.output_len) for i, (n, r) in enumerate(zip(got["output_lens"], requests)) if n != r.output_len]
+    if short:
+        print(f"WARNING: vllm: {len(short)} requests did not generate their output length: {short[:5]}",
+              file=sys.stderr)
+    # Only tokens each request asked for count, should one have run long.
+    useful = sum(min(n, r.output_len) for n, r in zip(got["output_lens"], requests))
+    return {
+        **throughput(got["wall_s"], sum(r.input_len for r in requests), useful),
+        "length_mismatches": len(short),
+        "vllm_version": got["vllm_version"],
+        "engine_args": engine_args,
+        "omp_threads_bind": env.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "ld_preload": env.get("LD_PRELOAD"),
+    }
+
+
 # ---- main -------------------------------------------------------------------------------------
 
 def print_side(name: str, r: dict[str, Any]) -> None:
@@ -394,6 +458,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.llamacpp_gguf is None and args.model_path is not None:
             raise SystemExit("--baseline llamacpp with --model-path: pass the same model's --llamacpp-gguf")
         gguf = args.llamacpp_gguf or embedded_gguf()
+    if "vllm" in args.baselines:
+        vllm_preload, vllm_missing = vllm_preloads(args.vllm_python)
+        vllm_side = (f"{args.vllm_dtype}, vLLM {vllm_version(args.vllm_python)[0]} ({args.vllm_python}), "
+                     f"threads bound to {args.vllm_omp_threads_bind}, preloaded: "
+                     f"{', '.join(Path(p).name for p in vllm_preload) or 'nothing'}"
+                     + (f" ({', '.join(vllm_missing)} not found)" if vllm_missing else ""))
 
     engine = Engine(dtype=args.dtype, model_path=args.model_path, kv_cache_gb=args.kv_cache_gb,
                     max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
@@ -407,6 +477,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 sides[b] = f"{hf_dtype_name}  ({hf_dtype_reason})"
         if gguf is not None:
             sides["llamacpp"] = f"{gguf_format(gguf)} ({gguf.name}), {threads} threads"
+        if "vllm" in args.baselines:
+            sides["vllm"] = vllm_side
         print("\n".join(header_lines(machine, sides, [f"model      {model_dir}"])), flush=True)
 
         requests = random_requests(tokenizer, args.num_requests, (args.input_min, args.input_max),
@@ -444,6 +516,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"llamacpp: {len(requests)} requests one at a time ({gguf.name}, {threads} threads) ...", flush=True)
         results["llamacpp"] = {"dtype": gguf_format(gguf), **run_llamacpp(gguf, requests, threads)}
         print_side("llamacpp", results["llamacpp"])
+    if "vllm" in args.baselines:
+        print(f"vllm: {len(requests)} requests in one generate call ({args.vllm_dtype}; start-up and compile "
+              f"warm-up take a minute or more, untimed) ...", flush=True)
+        engine_args = vllm_engine_args(args.max_running_requests, args.max_prefill_tokens + args.max_running_requests,
+                                       args.kv_cache_gb)  # loom's limits, as hf-cb gets them
+        results["vllm"] = {"dtype": args.vllm_dtype,
+                           **run_vllm(args.vllm_python, model_dir, requests, args.vllm_dtype, engine_args,
+                                      vllm_env(vllm_preload, args.vllm_omp_threads_bind))}
+        print_side("vllm", results["vllm"])
 
     rows = [["loom", loom["dtype"], f"{loom['wall_s']:.2f}", f"{loom['output_tok_s']:.1f}", ""]]
     ratios = {}
@@ -474,6 +555,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf": results.get("hf"),
         "hf_cb": results.get("hf-cb"),
         "llamacpp": results.get("llamacpp"),
+        "vllm": results.get("vllm"),
         "baselines": args.baselines,
         "ratio_loom_over_hf": ratios.get("loom/hf"),
         "ratios_loom_over": {name.removeprefix("loom/"): r for name, r in ratios.items()},

