@@ -148,14 +148,17 @@ def test_dense_float32_linear_at_every_row_count(kernel, m, n, k):
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 13, 17, 200, 515])
 @pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (40, 72), (7, 64)])
 def test_dense_float32_linear_on_weights_packed_at_load(kernel, m, n, k):
-    """linear_dense on pack_dense_f32's panels (any row count; the last n % 16 rows from w), where
-    the build packs; elsewhere pack_dense_f32 is empty and linear_dense takes w as before."""
+    """linear_dense on pack_dense_f32's panels of 16 rows (AVX2) or 32 (AVX-512), at any row count,
+    the last rows that fill no panel from w, where the build packs; elsewhere pack_dense_f32 is
+    empty and linear_dense takes w as before."""
     torch.manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k), torch.randn(n, k) * 0.05
     packed = kernel.pack_dense_f32(w)
     if packed.numel():
-        assert packed.shape == (n // 16, k, 16)
-        assert torch.equal(packed[-1, :, 3], w[(n // 16 - 1) * 16 + 3])  # panel p, input j, row r = w[16 p + r, j]
+        width = packed.shape[-1]
+        assert width in (16, 32) and packed.shape == (n // width, k, width)
+        # panel p, input j, row r = w[width p + r, j]
+        assert torch.equal(packed[-1, :, 3], w[(n // width - 1) * width + 3])
     elif kernel.dense_f32_rows() and n >= 16 and k % 8 == 0:
         pytest.fail("this build has float32 panels: the weight should have been packed")
     torch.testing.assert_close(kernel.linear_dense(x, w, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)

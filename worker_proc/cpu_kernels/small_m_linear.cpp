@@ -10,8 +10,8 @@
 // With VNNI, int8 and int4 quantize bfloat16 activations to int8 per 32 (llama.cpp's Q8) for
 // integer dot products.
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
-// AVX2-only builds also take float32 linears of 5-512 rows (linear_f32_rows: blocked dot products,
-// then packed panels), where torch's GEMM is slow with few rows.
+// AVX2 and AVX-512 builds also take float32 linears of 5 to kDenseF32Rows rows (linear_f32_rows:
+// blocked dot products, then packed panels), where torch's GEMM is slow with few rows.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -723,8 +723,8 @@ torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define LOOM_AVX2_DENSE 1
+#if defined(__AVX2__) && defined(__FMA__)
+#define LOOM_F32_PANELS 1
 // float32 linears with more rows of x than the weight stream needs, on AVX2 CPUs. Measured on Zen 3
 // (2 threads, weights from DRAM, GFLOP/s at 16 / 64 / 128 / 256 rows): torch's GEMM 58 / 113 / 137
 // / 150, the lm_head-sized one 40 / 98 / 105 / 112; these two paths 83 / 150 / 167 / 167, on the
@@ -736,10 +736,22 @@ torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor
 // Above kDenseF32Rows torch's GEMM is as fast. Weights packed once at load (pack_dense_f32) skip
 // the per-call packing and take the panels at any row count: 1.25x at 8-32 rows, 1.13x at 64,
 // 1.05x at 128, 1.01x at 512; at one row 1.12x over the weight stream.
+// AVX-512 builds take the same paths with panels of 32 rows and tiles of 8 rows of x (16
+// accumulators; 12 rows were slower). Measured on an Intel Xeon (AVX-512, 2 threads, the model's
+// linears, prepacked), GFLOP/s at 8 / 32 / 64 / 128 / 256 / 512 rows: torch's GEMM 59 / 158 / 199 /
+// 251 / 259 / 303, the panels 84 / 200 / 242 / 279 / 313 / 287; at 1-4 rows the panels tie the
+// weight stream.
 constexpr int64_t kDotMaxRows = 16;
+#if defined(__AVX512F__)
+constexpr int64_t kDenseF32Rows = 256;
+constexpr int64_t kPanel = 32;     // W rows per packed panel (two registers of y per row of x)
+constexpr int kPanelTileRows = 8;
+#else
 constexpr int64_t kDenseF32Rows = 512;
-constexpr int64_t kPanel = 16;     // W rows per packed panel (two registers of y per row of x)
-constexpr int64_t kPanelK = 256;   // inputs per panel: 16 KB, half of L1
+constexpr int64_t kPanel = 16;
+constexpr int kPanelTileRows = 6;
+#endif
+constexpr int64_t kPanelK = 256;   // inputs per panel chunk: 16 KB (AVX2) or 32 KB (AVX-512) of L1
 
 // y[i, n0 + r] = W[n0 + r] . x[i] for R rows of W streaming past MX rows of x (loom::tile_dots).
 template <int R, int MX>
@@ -779,11 +791,25 @@ void dense_f32_dots(const float* x, const float* w, float* y, int64_t m, int64_t
 template <int MR>
 inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t kb, float* y, int64_t ldy,
                        bool first) {
+#if defined(__AVX512F__)
+  loom::broadcast_tile_32<MR>(x, ldx, kb, panel, y, ldy, !first);
+#else
   auto load_panel_row = [panel](int64_t kk, __m256& b0, __m256& b1) __attribute__((always_inline)) {
     b0 = _mm256_load_ps(panel + kk * kPanel);
     b1 = _mm256_load_ps(panel + kk * kPanel + 8);
   };
   loom::broadcast_tile_16<MR>(x, ldx, 1, kb, load_panel_row, y, ldy, !first);
+#endif
+}
+
+// The last rows of x (fewer than kPanelTileRows): one tile of `rows` rows.
+template <int MR>
+inline void panel_tail(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kb, float* y,
+                       int64_t ldy, bool first) {
+  if constexpr (MR > 0) {
+    if (rows == MR) panel_tile<MR>(x, ldx, panel, kb, y, ldy, first);
+    else panel_tail<MR - 1>(rows, x, ldx, panel, kb, y, ldy, first);
+  }
 }
 
 // dst[c * kPanel + r] = src[r * ld + c] for an 8 x 8 block.
@@ -840,23 +866,19 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
         // packed chunks lie in order: the next one (this panel's or the next panel's first) follows
         NextChunkFetch fetch(w, packed ? panel + kb * kPanel : nullptr, k, (last_chunk ? p + 1 : p) * kPanel,
                              last_chunk ? 0 : k0 + kPanelK,
-                             last_chunk && p + 1 == end ? 0 : (m + 5) / 6);
+                             last_chunk && p + 1 == end ? 0 : (m + kPanelTileRows - 1) / kPanelTileRows);
         float* yp = y + p * kPanel;
         const float* xp = x + k0;
         const bool first = k0 == 0;
         int64_t i = 0;
-        for (; i + 6 <= m; i += 6) {
-          panel_tile<6>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
+        for (; i + kPanelTileRows <= m; i += kPanelTileRows) {
+          panel_tile<kPanelTileRows>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
           fetch.after_tile();
         }
-        switch (m - i) {
-          case 5: panel_tile<5>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
-          case 4: panel_tile<4>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
-          case 3: panel_tile<3>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
-          case 2: panel_tile<2>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
-          case 1: panel_tile<1>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first); break;
+        if (i < m) {
+          panel_tail<kPanelTileRows - 1>(m - i, xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
+          fetch.after_tile();
         }
-        if (i < m) fetch.after_tile();
       }
     }
   });
@@ -897,7 +919,7 @@ torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch
   TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1), "w must be contiguous [N, K]");
   const bool has_packed = packed.has_value() && packed->numel() > 0;
   if (w.scalar_type() == torch::kFloat32) {
-#if defined(LOOM_AVX2_DENSE)
+#if defined(LOOM_F32_PANELS)
     if (has_packed) {
       TORCH_CHECK(packed->is_contiguous() && packed->scalar_type() == torch::kFloat32 &&
                       packed->sizes() == torch::IntArrayRef({w.size(0) / kPanel, w.size(1), kPanel}),
@@ -940,7 +962,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
 // Empty where the build has no float32 panels or w does not fit them (N < 16, K % 8 != 0).
 torch::Tensor pack_dense_f32(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
-#if defined(LOOM_AVX2_DENSE)
+#if defined(LOOM_F32_PANELS)
   const int64_t n = w.size(0), k = w.size(1), panels = n / kPanel;
   if (w.scalar_type() == torch::kFloat32 && panels > 0 && k % 8 == 0) {
     auto out = torch::empty({panels, k, kPanel}, w.options());
@@ -959,7 +981,7 @@ torch::Tensor pack_dense_f32(torch::Tensor w) {
 // Rows of x up to which linear_dense beats torch's GEMM for float32 (0: only the weight-streaming
 // sizes the caller picks).
 int64_t dense_f32_rows() {
-#if defined(LOOM_AVX2_DENSE)
+#if defined(LOOM_F32_PANELS)
   return kDenseF32Rows;
 #else
   return 0;
