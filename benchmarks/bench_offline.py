@@ -62,7 +62,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DEFAULT_VLLM_PYTHON, ROOT, Request, add_repo_to_path, cpu_info, default_omp_bind,
+from benchmarks.common import (ROOT, Request, add_repo_to_path, add_vllm_args, cpu_info,
                                default_result_path, default_vllm_python, embedded_gguf, format_summary, format_table,
                                gguf_format, llama_cpp_installed, log_tail, num_cores, random_requests, summarize,
                                vllm_engine_args, vllm_env, vllm_preloads, vllm_version, write_json)
@@ -109,13 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     b.add_argument("--llamacpp-gguf", type=Path, default=None,
                    help="GGUF file for llamacpp (default: the embedded model's; needed with --model-path)")
-    b.add_argument("--vllm-python", default=default_vllm_python(),
-                   help=f"python of vLLM's own environment (default: $LOOM_VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
-    b.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="vllm's dtype (default: %(default)s)")
-    b.add_argument("--vllm-omp-threads-bind", default=default_omp_bind(),
-                   help="cores for vLLM's compute threads, its VLLM_CPU_OMP_THREADS_BIND (default: every core, "
-                        "%(default)s)")
+    add_vllm_args(b)
     p.add_argument("--no-kernel-probe", action="store_true",
                    help="probe GEMV with torch only (loom's kernel may compile for a minute the first time)")
     p.add_argument("--json", type=Path, default=None,

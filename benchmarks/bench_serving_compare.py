@@ -32,8 +32,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DEFAULT_VLLM_PYTHON, ROOT, add_repo_to_path, default_omp_bind,  # noqa: E402
-                               default_result_path, default_vllm_python, format_table, log_tail, vllm_engine_args,
+from benchmarks.common import (ROOT, add_repo_to_path, add_vllm_args,  # noqa: E402
+                               default_result_path, format_table, log_tail, vllm_engine_args,
                                vllm_env, vllm_preloads, vllm_server_command, vllm_version, wait_healthy,
                                write_json)
 
@@ -78,13 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--port", type=int, default=30700)
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp server side")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM server side")
-    p.add_argument("--vllm-python", default=default_vllm_python(),
-                   help=f"python of vLLM's own environment (default: $LOOM_VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
-    p.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="vLLM's dtype (default: %(default)s)")
-    p.add_argument("--vllm-omp-threads-bind", default=default_omp_bind(),
-                   help="cores for vLLM's compute threads, its VLLM_CPU_OMP_THREADS_BIND (default: every core, "
-                        "%(default)s)")
+    add_vllm_args(p)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 

@@ -220,6 +220,17 @@ def default_omp_bind() -> str:
     return f"0-{num_cores() - 1}"
 
 
+def add_vllm_args(parser) -> None:
+    """The flags of a bench's vLLM side (its python, dtype and thread binding)."""
+    parser.add_argument("--vllm-python", default=default_vllm_python(),
+                        help=f"python of vLLM's own environment (default: $LOOM_VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
+    parser.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="vLLM's dtype (default: %(default)s; float32 is its faster one on CPUs without AMX)")
+    parser.add_argument("--vllm-omp-threads-bind", default=default_omp_bind(),
+                        help="cores for vLLM's compute threads, its VLLM_CPU_OMP_THREADS_BIND (default: every core, "
+                             "%(default)s)")
+
+
 @lru_cache(maxsize=None)
 def vllm_version(python: str) -> tuple[str | None, str]:
     """(vLLM's version, "") when `python` imports vllm, else (None, why not)."""

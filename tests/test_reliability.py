@@ -449,7 +449,7 @@ def test_tcp_endpoints_for_several_hosts_bind_only_the_address_given():
     from ipc.sockets import Endpoints, Sender
 
     port = _free_port_pair()
-    endpoints = Endpoints.create(("127.0.0.1", port), dp_size=1, tp_size=1)
+    endpoints = Endpoints.create(("127.0.0.1", port), dp_size=1, group_size=1)
     ctx = zmq.Context()
     try:
         sender = Sender(ctx, zmq.PUSH, endpoints.worker_in_of(0, 0), bind=True)
