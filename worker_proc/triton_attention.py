@@ -33,6 +33,41 @@ MAX_DECODE_SPLITS = 16  # splits of a row when they are derived from the batch s
 
 
 @triton.jit
+def _attend_keys(q, K, V, req_to_token, req, stride_r2t, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+                 offs_d, d_valid, sm_scale, lo, hi, q_block,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_BLOCK: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """The query rows q [ROWS, BLOCK_D] over the keys [lo, hi) of request `req`, in BLOCK_N tiles
+    with an online softmax: (unnormalized output, running max, running sum). CAUSAL_BLOCK > 0: a
+    row sees the keys whose block is at most its q_block; 0: every key (q_block unused)."""
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        slot = tl.load(req_to_token + req * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
+        k = tl.load(K + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+        scores = tl.dot(q, k, input_precision=PRECISION) * sm_scale
+        if CAUSAL_BLOCK > 0:
+            visible = ((offs_n // CAUSAL_BLOCK)[None, :] <= q_block[:, None]) & n_valid[None, :]
+        else:
+            visible = n_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        # every row sees the first key of its range, so m_new is finite from the first tile on
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _extend_kernel(Q, K, V, O, req_to_token, row_start, row_len, row_prefix, row_req, sm_scale,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
                    stride_r2t,
@@ -62,27 +97,9 @@ def _extend_kernel(Q, K, V, O, req_to_token, row_start, row_len, row_prefix, row
     last_query = prefix + tl.minimum(m_block * BLOCK_M + BLOCK_M, length) - 1
     key_end = tl.minimum((last_query // CAUSAL_BLOCK + 1) * CAUSAL_BLOCK, prefix + length)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, key_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < key_end
-        slot = tl.load(req_to_token + req * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
-        k = tl.load(K + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-        scores = tl.dot(q, k, input_precision=PRECISION) * sm_scale
-        visible = ((offs_n // CAUSAL_BLOCK)[None, :] <= q_block[:, None]) & n_valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        # every query row sees key 0, so m_new is finite from the first tile on
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = _attend_keys(q, K, V, req_to_token, req, stride_r2t, kv_head, stride_ks, stride_kh, stride_vs,
+                                 stride_vh, offs_d, d_valid, sm_scale, 0, key_end, q_block,
+                                 BLOCK_M, BLOCK_D, BLOCK_N, CAUSAL_BLOCK, PRECISION)
     out = acc / l_i[:, None]
     tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=m_valid[:, None] & d_valid[None, :])
@@ -123,25 +140,9 @@ def _decode_split_kernel(Q, K, V, part_out, part_lse, req_to_token, dec_row, dec
     q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_valid[:, None] & d_valid[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        slot = tl.load(req_to_token + req * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
-        k = tl.load(K + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-        scores = tl.dot(q, k, input_precision=PRECISION) * sm_scale
-        scores = tl.where(n_valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = _attend_keys(q, K, V, req_to_token, req, stride_r2t, kv_head, stride_ks, stride_kh, stride_vs,
+                                 stride_vh, offs_d, d_valid, sm_scale, lo, hi, offs_h,
+                                 BLOCK_H, BLOCK_D, BLOCK_N, 0, PRECISION)
     tl.store(part_out + row * stride_pr + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
              acc / l_i[:, None], mask=h_valid[:, None] & d_valid[None, :])
     tl.store(part_lse + row * stride_lr + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_valid)
