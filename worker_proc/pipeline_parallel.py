@@ -95,16 +95,6 @@ class PPGroup:
         self.wait_s += time.perf_counter() - start
         return packed[0], packed[1]
 
-    def broadcast_index(self, index: int) -> int:
-        """Global rank 0's `index` on every worker of the pipeline (a choice made once)."""
-        if self.size == 1:
-            return index
-        import torch.distributed as dist
-
-        box = torch.tensor([index], dtype=torch.int64, device=self.device)
-        dist.broadcast(box, src=0)
-        return int(box.item())
-
     def close(self) -> None:
         if self.size > 1:
             import torch.distributed as dist

@@ -49,8 +49,8 @@ def main(config: ChildConfig, report_ready) -> None:
         dtypes = list(DTYPES.values())
         dtype, why = resolve_dtype(args["dtype"], args["device"]) if index == 0 else (None, "")
         # the first worker's choice, on all (the whole world: every stage holds the same dtype)
-        choice = dtypes.index(dtype) if index == 0 else 0
-        dtype = dtypes[pp.broadcast_index(choice) if pp_size > 1 else tp.broadcast_index(choice)]
+        world = TPGroup(index, group_size, args["device"])
+        dtype = dtypes[world.broadcast_index(dtypes.index(dtype) if index == 0 else 0)]
         why = why or f"dtype {str(dtype).removeprefix('torch.')} (as the first worker)"
         runner = ModelRunner(RunnerConfig(
             model_dir=config.model_dir, dtype=dtype, kv_cache_gb=args["kv_cache_gb"] / args["dp_size"],
