@@ -171,6 +171,9 @@ class ServerArgs:
     step_trace_dir: str | None = _arg(None, "each worker writes its forward passes into this folder as a Chrome "
                                             "trace (chrome://tracing, Perfetto): when each computed which step, "
                                             "with its collective and pipeline-wait times")
+    step_log_file: str | None = _arg(None, "the scheduler appends every step's shape and wall time to this file as a "
+                                           "JSON line (with --dp-size N, one file per rank: FILE.dpK); "
+                                           "`python -m sim profile --step-log FILE` fits the simulator to them")
     log_level: str = _arg("info", "log level", choices=("debug", "info", "warning", "error"))
     startup_timeout_s: float = _arg(600.0, "give up if the processes are not ready by then")
 
@@ -442,7 +445,8 @@ def _prepare(args: ServerArgs):
     launcher.start()
     first_scheduler, first_worker = (next(info for name, info in launcher.ready_info.items() if name.startswith(kind))
                                      for kind in ("scheduler", "worker"))
-    info = {"model_path": str(model_dir), **first_scheduler, **first_worker, "tp_size": args.tp_size,
+    info = {"model_path": str(model_dir), "vocab_size": model_config.vocab_size, **first_scheduler, **first_worker,
+            "tp_size": args.tp_size,
             "pp_size": args.pp_size, "dp_size": args.dp_size}
     if args.dp_size > 1:  # every scheduler plans its own pool: the server holds them all
         info["max_total_tokens"] = sum(i["max_total_tokens"] for name, i in launcher.ready_info.items()
@@ -470,7 +474,7 @@ class Engine:
         async def make_manager():
             m = TokenizerManager(self.launcher.endpoints, self.tokenizer, self.server_info["max_context_len"],
                                  self.args.max_queued_requests, self.args.dp_size,
-                                 self.args.dllm_algorithm is not None)
+                                 self.args.dllm_algorithm is not None, self.server_info["vocab_size"])
             m.start()
             return m
 
@@ -673,7 +677,7 @@ def serve(args: ServerArgs) -> None:
 
     async def run() -> None:
         manager = TokenizerManager(launcher.endpoints, tokenizer, info["max_context_len"], args.max_queued_requests,
-                                   args.dp_size, args.dllm_algorithm is not None)
+                                   args.dp_size, args.dllm_algorithm is not None, info["vocab_size"])
         manager.start()
         zmq_port = args.port + 1 if args.zmq_port is None else args.zmq_port
         frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}", args.max_request_bytes)

@@ -1,20 +1,21 @@
 """Batching strategies at one load, live and simulated, side by side in one run.
 
-For each --batching-strategy: a loom server with it serves a seeded bench_serving workload (random
-prompts, Poisson arrivals at --request-rate); then the simulator replays that run's very
-arrivals and lengths through the same strategy, with step times fitted to this machine
-(`python -m sim profile`, --profile). The table gives both sides' median TTFT, median e2e and
+First the step-time model: a loom server with the same flags serves a calibration load (other
+seeds, lengths and rates than the measured runs) and the simulator's model is fitted to its
+logged steps (`python -m sim profile --live`), unless --profile gives one. Then, for each
+--batching-strategy, a loom server with it serves a seeded bench_serving workload (random
+prompts, Poisson arrivals at --request-rate) and the simulator replays that run's very arrivals
+and lengths through the same strategy; and an offline run (bench_offline: every request at once
+through the Engine) is replayed too. The table gives both sides' median TTFT, median e2e and
 output throughput and the simulator's error on each; the plot puts them side by side.
 
-    python -m sim profile --out sim_profile.json
-    python benchmarks/bench_strategies.py --profile sim_profile.json
-    python benchmarks/bench_strategies.py --profile sim_profile.json --strategies loom,vllm --request-rate 4
+    python benchmarks/bench_strategies.py
+    python benchmarks/bench_strategies.py --strategies loom,vllm --request-rate 4 -- --dtype float32
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -49,11 +50,37 @@ def serve_and_measure(args, strategy: str, out_json: Path) -> None:
         stop(server)
 
 
-def simulate(args, strategy: str, replay: Path) -> dict:
+def simulate(args, strategy: str, replay: Path, server_args: list[str]) -> dict:
     from sim.__main__ import cmd_run
 
     return cmd_run(["--predictor", str(args.profile), "--replay", str(replay), "--batching-strategy", strategy,
-                    "--max-running-requests", str(args.max_running_requests), "--no-progress", *args.server_args])
+                    "--max-running-requests", str(args.max_running_requests), "--no-progress", *server_args])
+
+
+def calibrate(args, path: Path) -> None:
+    """The step-time model, fitted to a live server's steps under the calibration load."""
+    from sim.profile import main as profile
+
+    profile(["--live", "--out", str(path), "--port", str(args.port), "--max-running-requests",
+             str(args.max_running_requests), *args.server_args])
+
+
+def offline(args, out_json: Path) -> list[str]:
+    """bench_offline (loom only) over the serving runs' length ranges; returns the server flags
+    its Engine ran with, for the replay."""
+    from benchmarks import bench_offline
+    from launch import ServerArgs
+
+    server = argparse.ArgumentParser()
+    ServerArgs.add_arguments(server)
+    flags = server.parse_args(args.server_args)
+    bench_offline.main(["--baseline", "none", "--no-kernel-probe", "--num-requests", str(args.offline_requests),
+                        "--seed", str(args.seed), "--input-min", str(int(args.input_len * args.range_ratio)),
+                        "--input-max", str(args.input_len), "--output-min", str(int(args.output_len * args.range_ratio)),
+                        "--output-max", str(args.output_len), "--max-running-requests", str(args.max_running_requests),
+                        "--max-prefill-tokens", str(flags.max_prefill_tokens), "--kv-cache-gb", str(flags.kv_cache_gb),
+                        "--dtype", flags.dtype, "--json", str(out_json)])
+    return ["--kv-cache-gb", str(flags.kv_cache_gb), "--max-prefill-tokens", str(flags.max_prefill_tokens)]
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -84,7 +111,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", type=Path, required=True, help="the fitted step-time model (python -m sim profile)")
+    p.add_argument("--profile", type=Path,
+                   help="a fitted step-time model (python -m sim profile); default: fit one to a live server first")
     p.add_argument("--strategies", default=STRATEGIES, help="comma list (default: all)")
     p.add_argument("--num-prompts", type=int, default=120)
     p.add_argument("--input-len", type=int, default=256, help="longest prompt")
@@ -92,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--range-ratio", type=float, default=0.25, help="shortest = ratio x longest")
     p.add_argument("--request-rate", type=float, default=3.0, help="Poisson arrivals per second")
     p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--offline-requests", type=int, default=128,
+                   help="requests of the offline run replayed too (0: none)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=30710)
     p.add_argument("--json", type=Path)
@@ -100,6 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     cpu = cpu_info()
     print(f"CPU: {cpu['model_name']}, {cpu['cores']} cores", flush=True)
+    path = args.json or default_result_path("bench_strategies")
+    if args.profile is None:
+        args.profile = path.with_suffix(".profile.json")
+        print(f"== calibration: a live server's steps -> {args.profile}", flush=True)
+        calibrate(args, args.profile)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in args.strategies.split(","):
@@ -107,8 +142,16 @@ def main(argv: list[str] | None = None) -> dict:
             live = Path(tmp) / f"{strategy}.json"
             serve_and_measure(args, strategy, live)
             print(f"== {strategy}: simulated", flush=True)
-            summary = simulate(args, strategy, live)
+            summary = simulate(args, strategy, live, args.server_args)
             rows.append({"strategy": strategy, "fidelity": summary["fidelity"],
+                         "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
+        if args.offline_requests:
+            print(f"== offline ({args.offline_requests} requests at once, loom batching): live", flush=True)
+            live = Path(tmp) / "offline.json"
+            engine_args = offline(args, live)
+            print("== offline: simulated", flush=True)
+            summary = simulate(args, "loom", live, [*args.server_args, *engine_args])
+            rows.append({"strategy": "offline", "fidelity": summary["fidelity"],
                          "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
 
     def cell(r, key, scale=1.0):
@@ -121,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(table)
     result = {"benchmark": "bench_strategies", "cpu": cpu, "args": {k: str(v) for k, v in vars(args).items()},
               "rows": rows}
-    path = write_json(args.json or default_result_path("bench_strategies"), result)
+    path = write_json(path, result)
     plot_path = args.plot or path.with_suffix(".png")
     plot(rows, plot_path, f"{args.num_prompts} requests, Poisson {args.request_rate:g}/s, prompts "
                           f"{int(args.input_len * args.range_ratio)}-{args.input_len}, outputs "

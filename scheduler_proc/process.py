@@ -21,7 +21,7 @@ from ipc.sockets import PeerWatch, Receiver, Sender
 from scheduler_proc.core import ReqOutput, SchedulerConfig, SchedulerCore
 from scheduler_proc.event_loop import event_loop_normal, event_loop_overlap, event_loop_pipeline
 from scheduler_proc.schedule_batch import ScheduleBatch
-from scheduler_proc.step_metrics import StepMetrics
+from scheduler_proc.step_metrics import StepMetrics, StepRecorder
 from scheduler_proc.req import Req
 
 log = logging.getLogger("loom.scheduler")
@@ -93,6 +93,11 @@ class SchedulerProcess:
         self.controller = Sender(ctx, zmq.PUSH, ep.controller_in) if args["dp_size"] > 1 else None
         self.received = 0  # requests received since start
         self.metrics = StepMetrics(args.get("log_interval") or 0)
+        step_log = args.get("step_log_file")
+        if step_log and args["dp_size"] > 1:
+            step_log = f"{step_log}.dp{self.dp_rank}"
+        self.step_log = StepRecorder(step_log)
+        self.planned_at: dict[int, float] = {}  # step -> when the plan that made it began (step log)
         # (a diffusion step's rows continue from its result: nothing to plan ahead; a pipeline
         # plans ahead its own way: event_loop_pipeline)
         self.overlap = (not args.get("disable_overlap_schedule", True) and not args.get("dllm_algorithm")
@@ -213,10 +218,13 @@ class SchedulerProcess:
 
     def plan(self) -> ScheduleBatch | None:
         """Queued requests in, then the core's next step (None: nothing to run)."""
+        started = self.clock()
         self.drain_requests()
         batch, ended = self.core.next_batch(self.clock())
         self.emit(ended)
         self.report_load(idle=batch is None)
+        if batch is not None and self.step_log.file is not None:
+            self.planned_at[batch.step] = started
         return batch
 
     def launch(self, batch: ScheduleBatch, after: ScheduleBatch | None = None) -> None:
@@ -243,6 +251,8 @@ class SchedulerProcess:
             self.emit(self.core.on_dllm_result(batch, result.dllm))
         else:
             self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
+        if self.step_log.file is not None:
+            self.step_log.on_applied(batch, self.clock(), self.planned_at.pop(batch.step), after_idle, result.forward_s)
 
     def idle_wait(self) -> None:
         leaks = self.core.idle_leaks()
@@ -252,6 +262,7 @@ class SchedulerProcess:
         self.idle_poller.poll(1000 if self.core.waiting or self.core.running else None)
         self.check_peers()
         self.was_idle = True
+        self.step_log.on_idle()
 
     def check_peers(self) -> None:
         for rank, watch in enumerate(self.peer_watches):

@@ -1,11 +1,60 @@
 """Per-step timing of the scheduler loop: the worker's forward time, the gap the worker waited
 between two forwards while work was queued, the scheduler's own CPU time, and the busy fraction
 (forward / (forward + gaps)). Summed since start for the stats, and over the last --log-interval
-steps for the log."""
+steps for the log. With --step-log-file, every step's shape and wall time as a JSON line (the
+simulator fits its step-time model to them: `python -m sim profile --step-log`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+# A step's shape, as the simulator's step-time model reads it (one pass over its rows):
+#   tokens        tokens computed (prompt tokens + one per decode)
+#   sampled       rows that sample a token (an LM-head row each)
+#   prefill_attn  attention pairs of prompt rows: sum of extend x (prefix + (extend + 1) / 2)
+#   decode_ctx    context length summed over decode rows (the KV a decode reads)
+#   rows          rows (per-request work: metadata, sampling, streaming)
+STEP_FEATURES = ("tokens", "sampled", "prefill_attn", "decode_ctx", "rows")
+
+
+def step_features(batch) -> tuple[float, float, float, float, float]:
+    """The STEP_FEATURES of a ScheduleBatch."""
+    tokens = sampled = prefill_attn = decode_ctx = 0
+    for r in batch.rows:
+        e = r.extend_len
+        tokens += e
+        sampled += r.samples
+        if e == 1 and r.prefix_len > 0:
+            decode_ctx += r.prefix_len + 1
+        else:
+            prefill_attn += e * (r.prefix_len + (e + 1) * 0.5)
+    return tokens, sampled, prefill_attn, decode_ctx, len(batch.rows)
+
+
+class StepRecorder:
+    """--step-log-file: one JSON line per applied step. `seconds` is the step's share of the
+    scheduler's wall clock as the simulator counts a step: from the previous step's result applied
+    (or, after idle, from when this step's planning began) to this step's result applied and its
+    tokens sent on. It holds the forward, the worker gap, the scheduler's own work and whatever
+    the other processes on the machine take from it."""
+
+    def __init__(self, path: str | None):
+        # line-buffered: a step's line is on disk when its tokens are out (a write per step is noise)
+        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (open for the run)
+        self.last_applied: float | None = None
+
+    def on_applied(self, batch, now: float, planned_at: float, after_idle: bool, forward_s: float) -> None:
+        if self.file is None:
+            return
+        start = planned_at if after_idle or self.last_applied is None else self.last_applied
+        self.last_applied = now
+        self.file.write(json.dumps({"step": batch.step, "seconds": round(now - start, 6),
+                                    "forward_s": round(forward_s, 6), "after_idle": after_idle,
+                                    "shape": step_features(batch)}) + "\n")
+
+    def on_idle(self) -> None:
+        self.last_applied = None
 
 
 @dataclass(slots=True)

@@ -11,12 +11,8 @@
                      token's context; bytes of every weight once plus the KV each row reads and
                      writes. mfu/mbu are the fractions of peak a well-tuned engine reaches.
 
-The step's shape (features, one pass over its rows):
-  tokens        tokens computed (prompt tokens + one per decode)
-  sampled       rows that sample a token (an LM-head row each)
-  prefill_attn  attention pairs of prompt rows: sum of extend x (prefix + (extend + 1) / 2)
-  decode_ctx    context length summed over decode rows (the KV a decode reads)
-  rows          rows (per-request work: metadata, sampling)
+The step's shape: scheduler_proc.step_metrics.STEP_FEATURES (the live scheduler logs the same
+features with --step-log-file).
 """
 
 from __future__ import annotations
@@ -25,21 +21,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FEATURES = ("tokens", "sampled", "prefill_attn", "decode_ctx", "rows")
-
-
-def step_shape(batch) -> tuple[float, float, float, float, float]:
-    """The features of a ScheduleBatch, in FEATURES order."""
-    tokens = sampled = prefill_attn = decode_ctx = 0
-    for r in batch.rows:
-        e = r.extend_len
-        tokens += e
-        sampled += r.samples
-        if e == 1 and r.prefix_len > 0:
-            decode_ctx += r.prefix_len + 1
-        else:
-            prefill_attn += e * (r.prefix_len + (e + 1) * 0.5)
-    return tokens, sampled, prefill_attn, decode_ctx, len(batch.rows)
+from scheduler_proc.step_metrics import STEP_FEATURES, step_features
 
 
 class Predictor:
@@ -54,11 +36,11 @@ class FittedPredictor(Predictor):
         self.intercept = intercept
         self.coef = coef
         self.meta = meta or {}
-        self._w = tuple(coef[f] for f in FEATURES)
+        self._w = tuple(coef[f] for f in STEP_FEATURES)
         self.description = f"fitted on {self.meta.get('cpu', 'this machine')} ({self.meta.get('dtype', '?')})"
 
     def seconds(self, batch) -> float:
-        return self.seconds_of_shape(step_shape(batch))
+        return self.seconds_of_shape(step_features(batch))
 
     def seconds_of_shape(self, shape: tuple) -> float:
         w0, w1, w2, w3, w4 = self._w
@@ -79,11 +61,11 @@ class FittedPredictor(Predictor):
 
         y = np.asarray(seconds, dtype=np.float64)
         model = LinearRegression(positive=True).fit(shapes, y, sample_weight=1.0 / y**2)
-        coef = dict(zip(FEATURES, (float(c) for c in model.coef_)))
+        coef = dict(zip(STEP_FEATURES, (float(c) for c in model.coef_)))
         return cls(max(0.0, float(model.intercept_)), coef, meta)
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
-        Path(path).write_text(json.dumps({"intercept": self.intercept, "coef": self.coef, "features": FEATURES,
+        Path(path).write_text(json.dumps({"intercept": self.intercept, "coef": self.coef, "features": STEP_FEATURES,
                                           "meta": self.meta, **(extra or {})}, indent=1))
 
 
@@ -160,7 +142,7 @@ class RooflinePredictor(Predictor):
         return cls(DEVICES[device], MODELS[model], device, model)
 
     def seconds(self, batch) -> float:
-        t, s, pa, dc, _ = step_shape(batch)
+        t, s, pa, dc, _ = step_features(batch)
         flops = t * self.flops_per_token + s * self.flops_per_sample + (pa + dc) * self.flops_per_pair
         # KV read by decodes (their context) and written for every new token; prompt rows read
         # their prefix once per step (tiled attention keeps the rest on chip)

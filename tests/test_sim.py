@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from scheduler_proc.core import SchedulerConfig, SchedulerCore
+from scheduler_proc.step_metrics import STEP_FEATURES, step_features
 from sim import metrics, workload
-from sim.predictor import FEATURES, MODELS, FittedPredictor, Predictor, RooflinePredictor, step_shape
+from sim.predictor import MODELS, FittedPredictor, Predictor, RooflinePredictor
 from sim.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,10 +173,10 @@ def test_fitted_predictor_recovers_a_linear_step_time(tmp_path):
     rng = np.random.default_rng(11)
     true = {"tokens": 2e-5, "sampled": 1e-4, "prefill_attn": 1e-9, "decode_ctx": 3e-8, "rows": 5e-6}
     shapes = [tuple(float(x) for x in rng.integers(0, 2000, 5)) for _ in range(200)]
-    seconds = [0.003 + sum(true[f] * x for f, x in zip(FEATURES, s)) for s in shapes]
+    seconds = [0.003 + sum(true[f] * x for f, x in zip(STEP_FEATURES, s)) for s in shapes]
     fitted = FittedPredictor.fit(shapes, seconds, {"cpu": "test"})
     assert fitted.intercept == pytest.approx(0.003, rel=1e-3)
-    for f in FEATURES:
+    for f in STEP_FEATURES:
         assert fitted.coef[f] == pytest.approx(true[f], rel=1e-3)
     fitted.save(tmp_path / "p.json")
     again = FittedPredictor.load(tmp_path / "p.json")
@@ -193,7 +194,7 @@ def test_roofline_decode_is_bandwidth_bound_and_prefill_compute_bound():
     batch, _ = core.next_batch()
     bandwidth_bound = weights / (3.35e12 * 0.8) + 0.5e-3
     assert pred.seconds(batch) == pytest.approx(bandwidth_bound, rel=0.01)  # 8 tokens: weights dominate
-    assert step_shape(batch) == (8, 1, 8 * 4.5, 0, 1)
+    assert step_features(batch) == (8, 1, 8 * 4.5, 0, 1)
     core.add_request(Req("b", [2] * 4000, SamplingParams(max_new_tokens=5)))
     core.on_result(batch, [3])
     big = SchedulerCore(config(max_prefill_tokens=4000, chunked_prefill_size=None))
@@ -245,3 +246,51 @@ def test_profile_fits_this_machine_s_worker(tmp_path, default_model_dir):
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert "50 requests on 1 replica(s)" in run.stdout
+
+
+def test_the_scheduler_logs_every_step_for_the_fit(tmp_path, default_model_dir):
+    """--step-log-file: one line per step with the shape the simulator predicts from; the prompt
+    tokens and samples add up to the requests'; `python -m sim profile --step-log` fits them."""
+    from inproc import build_tiny_checkpoint, with_tokenizer
+    from launch import Engine
+    from sim.profile import read_step_logs
+
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=1), default_model_dir)
+    log = tmp_path / "steps.jsonl"
+    prompts = [list(range(100 * k + 5, 100 * k + 5 + n)) for k, n in enumerate((7, 19, 40, 3))]  # no shared prefix
+    with Engine(model_path=str(path), dtype="float32", kv_cache_gb=0.05, max_running_requests=4,
+                step_log_file=str(log)) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 6, "ignore_eos": True,
+                                                                   "temperature": 0})
+    assert all(o["meta_info"]["completion_tokens"] == 6 for o in outs)
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    shapes, seconds = read_step_logs([log])
+    assert len(shapes) == len(steps) >= 6 and all(t > 0 for t in seconds)
+    assert all(s["seconds"] >= s["forward_s"] * 0.5 for s in steps)
+    tokens, sampled = sum(s[0] for s in shapes), sum(s[1] for s in shapes)
+    assert sampled == 4 * 6 and tokens == sum(map(len, prompts)) + 4 * 5
+    assert sum(s[3] for s in shapes) > 0 and max(s[4] for s in shapes) >= 2  # decode contexts; batched rows
+    out = subprocess.run([sys.executable, "-m", "sim", "profile", "--step-log", str(log), "--out",
+                          str(tmp_path / "p.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    fitted = json.loads((tmp_path / "p.json").read_text())
+    assert fitted["meta"]["steps"] == len(steps) and fitted["meta"]["source"].startswith("step logs")
+
+
+def test_profile_live_fits_a_serving_server_s_steps(tmp_path, default_model_dir):
+    """python -m sim profile --live (a quick calibration load) on a tiny model; the fitted model
+    carries what the simulator needs to size the pool."""
+    from inproc import build_tiny_checkpoint, with_tokenizer
+    from test_server import free_port
+
+    # (the load's random prompts are drawn from the tokenizer's vocabulary: the model embeds it all)
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=1, vocab_size=49152),
+                          default_model_dir)
+    out = subprocess.run([sys.executable, "-m", "sim", "profile", "--live", "--quick", "--port", str(free_port()),
+                          "--model-path", str(path), "--dtype", "float32", "--kv-cache-gb", "0.05",
+                          "--out", str(tmp_path / "p.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fitted = json.loads((tmp_path / "p.json").read_text())
+    meta = fitted["meta"]
+    assert meta["source"] == "live server" and meta["dtype"] == "float32" and meta["kv_bytes_per_token"] > 0
+    assert meta["steps"] >= 10 and all(v >= 0 for v in fitted["coef"].values())

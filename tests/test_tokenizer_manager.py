@@ -87,3 +87,21 @@ def test_an_abort_does_not_overtake_the_request_it_aborts(scheduler):
     asyncio.run(main())
     # the second abort: the consumer left
     assert [type(f) for f in scheduler.receive_all()] == [GenerateReq, AbortReq, AbortReq]
+
+
+def test_text_beyond_the_model_s_vocabulary_is_refused(scheduler):
+    """A tokenizer with more tokens than the model embeds: text that tokenizes past the model's
+    vocabulary, and token ids past it, are request errors, not a worker's index error."""
+    from tokenizer_proc.manager import RequestError
+
+    class Tokenizer(list):
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+    manager = TokenizerManager(scheduler.endpoints, tokenizer=Tokenizer([None] * 200), context_len=64,
+                               model_vocab_size=100)
+    assert manager.tokenize("ABC", None) == [65, 66, 67]
+    with pytest.raises(RequestError, match="prompt: the text has token 120, beyond the model's vocabulary of 100"):
+        manager.tokenize("Ax", None, "prompt")
+    with pytest.raises(RequestError, match=r"0\.\.99"):
+        manager.tokenize(None, [5, 150])

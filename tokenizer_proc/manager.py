@@ -144,10 +144,11 @@ def _log_send_error(fut: asyncio.Future) -> None:
 
 class TokenizerManager:
     def __init__(self, endpoints: Endpoints, tokenizer: Any, context_len: int, max_queued: int | None = None,
-                 dp_size: int = 1, diffusion: bool = False):
+                 dp_size: int = 1, diffusion: bool = False, model_vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.diffusion = diffusion  # a block-diffusion model (--dllm-algorithm): no per-token logprobs
-        self.vocab_size = len(tokenizer)
+        # ids the model can embed: a tokenizer may know more tokens than the model's embedding has rows
+        self.vocab_size = min(len(tokenizer), model_vocab_size or len(tokenizer))
         self.context_len = context_len
         # no token is longer than the longest vocabulary entry (byte-level: a character per byte),
         # so a longer text cannot fit the context and is refused before it is tokenized
@@ -215,9 +216,17 @@ class TokenizerManager:
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise RequestError(f"{field}: {len(text)} characters cannot fit the context of {self.context_len} tokens")
         try:
-            return self.tokenizer.encode(text, add_special_tokens=True) if text else []
+            ids = self.tokenizer.encode(text, add_special_tokens=True) if text else []
         except (TypeError, ValueError) as e:  # e.g. a lone surrogate: not valid Unicode
             raise RequestError(f"{field} is not valid text ({type(e).__name__}: {str(e)[:100]})") from None
+        return self.check_vocabulary(ids, field)
+
+    def check_vocabulary(self, ids: list[int], field: str) -> list[int]:
+        """Text whose tokens the model cannot embed (a tokenizer larger than the model) is refused."""
+        if ids and max(ids) >= self.vocab_size:
+            raise RequestError(f"{field}: the text has token {max(ids)}, beyond the model's vocabulary of "
+                               f"{self.vocab_size} tokens")
+        return ids
 
     def check_request(self, sampling: SamplingParams | dict | None, rid: str | None = None, priority: int = 0,
                       routing_key: str | None = None, routed_dp_rank: int | None = None) -> SamplingParams:

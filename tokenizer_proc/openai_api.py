@@ -210,7 +210,7 @@ class OpenAIServing:
                                                                 tokenize=False)
         except Exception as e:  # a template that rejects the roles or order
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        ids = self.manager.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = self.manager.check_vocabulary(self.manager.tokenizer.encode(prompt, add_special_tokens=False), "messages")
         if len(ids) >= self.context_len:
             raise ApiError(400, f"messages: the prompt has {len(ids)} tokens; the context length is "
                                 f"{self.context_len}", "messages")
