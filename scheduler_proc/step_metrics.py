@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 # A step's shape, as the simulator's step-time model reads it (one pass over its rows):
 #   tokens        tokens computed (prompt tokens + one per decode)
-#   sampled       rows that sample a token (an LM-head row each)
+#   sampled       LM-head rows: one per row that samples (a diffusion row: its whole block)
 #   prefill_attn  attention pairs of prompt rows: sum of extend x (prefix + (extend + 1) / 2)
 #   decode_ctx    context length summed over decode rows (the KV a decode reads)
 #   rows          rows (per-request work: metadata, sampling, streaming)
@@ -21,10 +21,11 @@ STEP_FEATURES = ("tokens", "sampled", "prefill_attn", "decode_ctx", "rows")
 def step_features(batch) -> tuple[float, float, float, float, float]:
     """The STEP_FEATURES of a ScheduleBatch."""
     tokens = sampled = prefill_attn = decode_ctx = 0
+    head_rows = batch.dllm_block_size or 1
     for r in batch.rows:
         e = r.extend_len
         tokens += e
-        sampled += r.samples
+        sampled += head_rows if r.samples else 0
         if e == 1 and r.prefix_len > 0:
             decode_ctx += r.prefix_len + 1
         else:

@@ -57,6 +57,9 @@ def _add_sim(p: argparse.ArgumentParser) -> None:
     s.add_argument("--hardware-memory-gb", type=float, default=80.0, help="device memory for --hardware")
     s.add_argument("--max-context-len", type=int, help="context limit (default: the profiled model's, or 8192)")
     s.add_argument("--pp-stages", type=int, default=1, help="pipeline stages per replica (micro-batches)")
+    s.add_argument("--dllm-rounds", type=int, nargs=2, default=(4, 12), metavar=("LOW", "HIGH"),
+                   help="with --dllm-algorithm: forward rounds a diffusion block needs, uniform in [LOW, HIGH] (a live "
+                        "server's dllm_rounds / dllm_blocks_committed is the figure)")
     s.add_argument("--out", type=Path, help="folder for summary.json, requests.csv, trace.json and plots")
     s.add_argument("--trace-steps", type=int, default=200_000, help="steps written to the Chrome trace")
     s.add_argument("--no-progress", action="store_true")
@@ -115,9 +118,12 @@ def simulate(args, overrides: dict | None = None):
         args = argparse.Namespace(**{**vars(args), **overrides})
     pred, slots, context = _predictor_and_pool(args)
     requests, measured = _requests(args)
-    sim = Simulator(SchedulerConfig.from_args(vars(args), slots, context), pred, replicas=args.dp_size,
+    # block diffusion: the block size the flag gives (the server reads it from the checkpoint)
+    dllm = {"dllm_block_size": args.dllm_block_size or 32, "dllm_fdfo": args.dllm_fdfo,
+            "dllm_in_place": args.dllm_in_place} if args.dllm_algorithm else {}
+    sim = Simulator(SchedulerConfig.from_args(vars(args), slots, context, **dllm), pred, replicas=args.dp_size,
                     pp_stages=args.pp_stages, load_balance_method=args.load_balance_method, seed=args.seed,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, dllm_rounds=tuple(args.dllm_rounds))
     return sim.run(requests), measured
 
 

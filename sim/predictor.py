@@ -28,6 +28,10 @@ class Predictor:
     description = ""
 
     def seconds(self, batch) -> float:
+        return self.seconds_of_shape(step_features(batch))
+
+    def seconds_of_shape(self, shape: tuple) -> float:
+        """A forward's time from its STEP_FEATURES (a diffusion step's later rounds have no batch)."""
         raise NotImplementedError
 
 
@@ -38,9 +42,6 @@ class FittedPredictor(Predictor):
         self.meta = meta or {}
         self._w = tuple(coef[f] for f in STEP_FEATURES)
         self.description = f"fitted on {self.meta.get('cpu', 'this machine')} ({self.meta.get('dtype', '?')})"
-
-    def seconds(self, batch) -> float:
-        return self.seconds_of_shape(step_features(batch))
 
     def seconds_of_shape(self, shape: tuple) -> float:
         w0, w1, w2, w3, w4 = self._w
@@ -141,8 +142,8 @@ class RooflinePredictor(Predictor):
             raise ValueError(f"model {model!r}: choose one of {', '.join(MODELS)}")
         return cls(DEVICES[device], MODELS[model], device, model)
 
-    def seconds(self, batch) -> float:
-        t, s, pa, dc, _ = step_features(batch)
+    def seconds_of_shape(self, shape: tuple) -> float:
+        t, s, pa, dc, _ = shape
         flops = t * self.flops_per_token + s * self.flops_per_sample + (pa + dc) * self.flops_per_pair
         # KV read by decodes (their context) and written for every new token; prompt rows read
         # their prefix once per step (tiled attention keeps the rest on chip)

@@ -8,6 +8,10 @@ Pipeline stages (--pp-stages K): a step passes K stages of 1/K of its time each;
 up to K steps of disjoint requests in flight (the core leaves requests in flight out of its next
 plans: SchedulerConfig.pipeline_stages), so stage s works on micro-batch i while stage s+1 works on
 micro-batch i-1.
+
+Block diffusion (a config with dllm_block_size): the core plans diffusion steps as it does live;
+how many rounds each block needs comes from sim/dllm.py (BlockRounds), and a step lasts its
+rounds' predicted times.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ipc.messages import LoadReport, SamplingParams
 from scheduler_proc.core import SchedulerConfig, SchedulerCore
 from scheduler_proc.load_balancer import LoadBalancer
 from scheduler_proc.req import Req
+from sim.dllm import BlockRounds
 from sim.predictor import Predictor
 from sim.workload import SimRequest
 
@@ -102,9 +107,13 @@ class _Routed:
 
 class Simulator:
     def __init__(self, config: SchedulerConfig, predictor: Predictor, replicas: int = 1, pp_stages: int = 1,
-                 load_balance_method: str = "round_robin", seed: int = 0, progress: bool = True):
+                 load_balance_method: str = "round_robin", seed: int = 0, progress: bool = True,
+                 dllm_rounds: tuple[int, int] = (4, 12)):
         if replicas < 1 or pp_stages < 1:
             raise ValueError("replicas and pipeline stages: at least 1 each")
+        if config.dllm_block_size and pp_stages > 1:
+            raise ValueError("block diffusion runs on one pipeline stage only")
+        self.block_rounds = BlockRounds(*dllm_rounds, seed=seed) if config.dllm_block_size else None
         self.config = replace(config, pipeline_stages=pp_stages)
         self.predictor = predictor
         self.stages = pp_stages
@@ -150,7 +159,10 @@ class Simulator:
                     rec = by_rid[row.req.rid]
                     if rec.scheduled < 0:
                         rec.scheduled = now
-                duration = predict(batch)
+                if batch.dllm_block_size:
+                    duration, dllm_result = self.block_rounds.run(batch, self.predictor)
+                else:
+                    duration, dllm_result = predict(batch), None
                 stage_s = duration / stage_count
                 t = now
                 for s in range(stage_count):  # each stage starts when it is free and the last is done
@@ -166,7 +178,7 @@ class Simulator:
                 steps.decodes.append(batch.num_decode)
                 steps.kv_used.append(core.token_pool.capacity - core.token_pool.num_free)
                 steps.waiting.append(len(core.waiting))
-                heapq.heappush(events, (t, seq, STEP_DONE, (rep, batch)))
+                heapq.heappush(events, (t, seq, STEP_DONE, (rep, batch, dllm_result)))
                 seq += 1
                 if stage_count > 1:
                     heapq.heappush(events, (rep.stage_free[0], seq, STAGE_FREE, rep))
@@ -212,9 +224,12 @@ class Simulator:
                     continue
                 kick.append(rep)
             elif kind == STEP_DONE:
-                rep, batch = what
+                rep, batch, dllm_result = what
                 rep.in_flight -= 1
-                outputs = rep.core.on_result(batch, [1] * sum(1 for r in batch.rows if r.samples))
+                if dllm_result is not None:
+                    outputs = rep.core.on_dllm_result(batch, dllm_result)
+                else:
+                    outputs = rep.core.on_result(batch, [1] * sum(1 for r in batch.rows if r.samples))
                 for out in outputs:
                     if out.new_ids:
                         rec = by_rid[out.req.rid]

@@ -33,6 +33,9 @@ class UnitSteps(Predictor):
         self.batches.append([(r.req.rid, r.prefix_len, r.extend_len) for r in batch.rows])
         return self.per_step + self.per_token * batch.num_tokens
 
+    def seconds_of_shape(self, shape: tuple) -> float:
+        return self.per_step + self.per_token * shape[0]
+
 
 def config(**kw) -> SchedulerConfig:
     base = dict(max_total_tokens=20_000, max_running_requests=16, max_prefill_tokens=512, max_context_len=4096,
@@ -96,6 +99,39 @@ def test_every_request_completes_on_the_virtual_clock():
     assert s["completed"] == 300 and s["output_tokens"] == sum(r.output_len for r in reqs)
     assert len(res.tbts) == sum(r.output_len - 1 for r in reqs)
     assert s["ttft_s"]["p50"] >= 0.01 and s["tbt_s"]["p50"] >= 0.01
+
+
+def _simulate_diffusion(mode: str, block: int = 8):
+    reqs = [workload.SimRequest(f"r{i}", 0.0, 5 + 3 * i, 20) for i in range(8)]  # 3 blocks of output each
+    cfg = config(dllm_block_size=block, dllm_fdfo=mode != "sync", dllm_in_place=mode == "fdfo",
+                 max_running_requests=8)
+    sim = Simulator(cfg, UnitSteps(0.01, 1e-4), progress=False, dllm_rounds=(1, 6), seed=3)
+    return reqs, sim, sim.run(reqs)
+
+
+@pytest.mark.parametrize("mode", ["sync", "fdfo", "fdfo-no-reloop"])
+def test_block_diffusion_is_simulated_by_the_core_s_planner(mode):
+    """Diffusion steps planned by the core (scheduler_proc/dllm.py), rounds per block drawn by
+    sim/dllm.py: every request ends with its length, committed a block at a time; sync steps run
+    every block to its end (the 8 requests that start together move together), FDFO without
+    re-loop one round per step."""
+    block = 8
+    reqs, sim, res = _simulate_diffusion(mode, block)
+    assert all(r.tokens == 20 and r.finish_reason == "length" for r in res.records)
+    stats = sim.replicas[0].core.stats()
+    blocks = sum(-(-(len(r.prompt_ids(i)) + 20) // block) - len(r.prompt_ids(i)) // block for i, r in enumerate(reqs))
+    assert stats["dllm_blocks_committed"] == blocks
+    if mode == "fdfo-no-reloop":
+        assert stats["dllm_steps"] == stats["dllm_rounds"]
+    elif mode == "sync":
+        assert stats["dllm_steps"] <= 4  # (a prompt's last block may hold its first outputs: 3 or 4 blocks)
+    else:
+        assert stats["dllm_steps"] > 4
+
+
+def test_fdfo_gets_first_blocks_out_sooner_than_sync_in_the_simulator():
+    ttft = {mode: np.mean([r.first_token for r in _simulate_diffusion(mode)[2].records]) for mode in ("sync", "fdfo")}
+    assert ttft["fdfo"] < ttft["sync"]
 
 
 @pytest.mark.parametrize("strategy", ["loom", "sarathi", "vllm", "orca", "lightllm", "static"])
