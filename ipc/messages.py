@@ -208,12 +208,14 @@ class BatchResult(msgspec.Struct, tag=True):
 class DllmResult(msgspec.Struct, array_like=True):
     """What a DllmStep's rounds left, per row: its block's ids (int32), the accept length
     (block_size: the block is done and commits; 0: not done, it continues next step from these
-    ids and its algorithm state) and the state; and how many forward rounds ran."""
+    ids and its algorithm state) and the state; how many forward rounds ran, and how many blocks
+    they computed in all (the rounds' work: a done block leaves the later rounds)."""
 
     blocks: list[bytes]
     accept_lens: list[int]
     algo_states: list[DllmAlgoState | None]
     rounds: int
+    block_rounds: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=True):

@@ -53,6 +53,7 @@ class DllmPlanner:
         self.in_place = cfg.dllm_in_place
         self.steps = 0  # diffusion steps (scheduler round-trips)
         self.rounds = 0  # forward rounds the workers ran for them
+        self.block_rounds = 0  # blocks those rounds computed (the work: rounds x blocks in each)
         self.blocks_committed = 0
 
     # ---- geometry ------------------------------------------------------------------------
@@ -172,6 +173,7 @@ class DllmPlanner:
         core = self.core
         self.steps += 1
         self.rounds += result.rounds
+        self.block_rounds += result.block_rounds
         outputs = []
         for row, block, accept, state in zip(batch.rows, result.blocks, result.accept_lens, result.algo_states):
             req = row.req
@@ -205,5 +207,5 @@ class DllmPlanner:
         req.dllm_incomplete_ids, req.dllm_algo_state, req.dllm_kv_valid = None, None, 0
 
     def stats(self) -> dict[str, int]:
-        return {"dllm_steps": self.steps, "dllm_rounds": self.rounds,
+        return {"dllm_steps": self.steps, "dllm_rounds": self.rounds, "dllm_block_rounds": self.block_rounds,
                 "dllm_reloop_rounds": self.rounds - self.steps, "dllm_blocks_committed": self.blocks_committed}

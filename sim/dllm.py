@@ -47,8 +47,10 @@ class BlockRounds:
         else:
             rounds = 1
         seconds = predictor.seconds(batch)
+        block_rounds = len(rows)
         for k in range(1, rounds):  # later rounds: the blocks not done after k rounds
             active = [s for s, n in zip(starts, left) if n > k]
+            block_rounds += len(active)
             pairs = sum(block * (s + (block + 1) * 0.5) for s in active)
             seconds += predictor.seconds_of_shape((block * len(active), block * len(active), pairs, 0, len(active)))
         done = [n <= rounds for n in left]
@@ -59,4 +61,4 @@ class BlockRounds:
                 self.left[r.req.rid] = (key, n - rounds)
         ids = np.ones(block, dtype=np.int32).tobytes()  # placeholders (requests end at their length)
         return seconds, DllmResult(blocks=[ids] * len(rows), accept_lens=[block if d else 0 for d in done],
-                                   algo_states=[None] * len(rows), rounds=rounds)
+                                   algo_states=[None] * len(rows), rounds=rounds, block_rounds=block_rounds)

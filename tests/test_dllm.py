@@ -198,7 +198,7 @@ def lifecycle(runner, slow, fast, fdfo, in_place):
 
     def on_step(batch, result, outputs):
         steps.append(dict(rows=[r.req.rid for r in batch.rows], slots=[r.new_slots.tolist() for r in batch.rows],
-                          accept=list(result.accept_lens), rounds=result.rounds,
+                          accept=list(result.accept_lens), rounds=result.rounds, block_rounds=result.block_rounds,
                           state={r.rid: r.state for r in reqs}, alloc=core.token_pool.allocated_total,
                           freed=core.token_pool.freed_total, committed=[o.req.rid for o in outputs]))
 
@@ -221,6 +221,9 @@ def test_fdfo_lets_fast_requests_finish_and_new_ones_in_while_a_slow_block_conti
     stats = core.stats()
     assert stats["dllm_reloop_rounds"] == stats["dllm_rounds"] - stats["dllm_steps"] > 0
     assert sum(s["rounds"] for s in steps) == stats["dllm_rounds"]
+    # FDFO's rounds carry every block of the step until one is done: rounds x rows
+    assert all(s["block_rounds"] == s["rounds"] * len(s["rows"]) for s in steps)
+    assert stats["dllm_block_rounds"] == sum(s["block_rounds"] for s in steps)
     # the slow block kept its slots from step to step: no allocation or free for it in between
     slow_block_slots = [s["slots"][s["rows"].index("slow")][-BLOCK:] for s in steps[: first_slow_commit + 1]]
     assert all(slots == slow_block_slots[0] for slots in slow_block_slots)
@@ -234,6 +237,8 @@ def test_fdfo_lets_fast_requests_finish_and_new_ones_in_while_a_slow_block_conti
     assert all(all(a == BLOCK for a in s["accept"]) and sorted(s["committed"]) == sorted(s["rows"])
                for s in sync_steps)
     assert sync_steps[0]["rounds"] == slow_rounds  # the first step waits for the slow block
+    # ... but its later rounds compute only the blocks not done yet
+    assert sync_steps[0]["block_rounds"] < sync_steps[0]["rounds"] * len(sync_steps[0]["rows"])
     assert {r for r in sync_steps[0]["rows"]} == {"slow", "fast0", "fast1"}
 
 

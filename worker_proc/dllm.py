@@ -55,11 +55,12 @@ class DllmRunner:
                       for i, s in enumerate(states)]
         done = [False] * n
         active = list(range(n))
-        rounds = 0
+        rounds = block_rounds = 0
         while True:
             r.attn.prepare(fb)
             logits = r.model(fb.input_ids, fb.positions, r.attn, fb.logit_rows)
             rounds += 1
+            block_rounds += len(active)
             idx = torch.tensor(active, dtype=torch.int64)
             sub = DllmBlocks(blocks.ids[idx], blocks.prompt_mask[idx], blocks.block_starts[idx],
                              [blocks.sampling[i] for i in active])
@@ -90,4 +91,5 @@ class DllmRunner:
         ids = blocks.ids.to(torch.int32).numpy()
         return DllmResult(blocks=[ids[i].tobytes() for i in range(n)],
                           accept_lens=[block if d else 0 for d in done],
-                          algo_states=[None if d else s for d, s in zip(done, states)], rounds=rounds)
+                          algo_states=[None if d else s for d, s in zip(done, states)], rounds=rounds,
+                          block_rounds=block_rounds)
