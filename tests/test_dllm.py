@@ -295,6 +295,22 @@ def test_a_finished_request_caches_its_recomputed_blocks_not_its_last_one(checkp
     assert follow.cached_tokens == 3 * BLOCK
 
 
+@pytest.mark.parametrize("fdfo", [True, False])
+def test_a_pool_too_small_retracts_and_restarts_requests_with_the_same_tokens(checkpoint, prompts, fdfo):
+    """KV for about two of the four requests: the planner retracts (the batching strategy's victim)
+    and the victim restarts later from its committed tokens; every request still gives its tokens
+    when run alone, nothing leaks."""
+    runner = runner_for(checkpoint, "low_confidence")
+    alone = loom_alone(runner, prompts, fdfo=fdfo)
+    core = SchedulerCore(SchedulerConfig(
+        max_total_tokens=72, max_running_requests=4, max_prefill_tokens=4096, max_context_len=runner.context_len,
+        page_size=BLOCK, enable_radix_cache=False, dllm_block_size=BLOCK, dllm_mask_id=MASK, dllm_fdfo=fdfo))
+    reqs = [Req(str(i), list(p), SamplingParams(**GREEDY)) for i, p in enumerate(prompts)]
+    run_core(core, runner, reqs)
+    assert core.num_retractions > 0
+    assert [r.output_ids for r in reqs] == alone
+
+
 def test_page_size_must_be_a_multiple_of_the_block(checkpoint):
     import launch
     from worker_proc.model_config import ModelConfig
