@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -44,7 +43,7 @@ def serve_and_measure(args, strategy: str, out_json: Path) -> None:
         bench_serving.run_benchmark(bench_serving.parse_args([
             "--port", str(args.port), "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
-            "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--no-probe", "--disable-tqdm",
+            "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--no-probe", "--disable-tqdm", "--no-plot",
             "--label", strategy, "--output-file", str(out_json)]))
     finally:
         stop(server)
@@ -65,22 +64,25 @@ def calibrate(args, path: Path) -> None:
              str(args.max_running_requests), *args.server_args])
 
 
-def offline(args, out_json: Path) -> list[str]:
-    """bench_offline (loom only) over the serving runs' length ranges; returns the server flags
-    its Engine ran with, for the replay."""
+def offline(args, out_json: Path, run: bool = True) -> list[str]:
+    """bench_offline (loom only) over the serving runs' length ranges (unless not `run`); returns
+    the server flags its Engine runs with, for the replay."""
     from benchmarks import bench_offline
     from launch import ServerArgs
 
     server = argparse.ArgumentParser()
     ServerArgs.add_arguments(server)
     flags = server.parse_args(args.server_args)
+    engine_args = ["--kv-cache-gb", str(flags.kv_cache_gb), "--max-prefill-tokens", str(flags.max_prefill_tokens)]
+    if not run:
+        return engine_args
     bench_offline.main(["--baseline", "none", "--no-kernel-probe", "--num-requests", str(args.offline_requests),
                         "--seed", str(args.seed), "--input-min", str(int(args.input_len * args.range_ratio)),
                         "--input-max", str(args.input_len), "--output-min", str(int(args.output_len * args.range_ratio)),
                         "--output-max", str(args.output_len), "--max-running-requests", str(args.max_running_requests),
                         "--max-prefill-tokens", str(flags.max_prefill_tokens), "--kv-cache-gb", str(flags.kv_cache_gb),
                         "--dtype", flags.dtype, "--json", str(out_json)])
-    return ["--kv-cache-gb", str(flags.kv_cache_gb), "--max-prefill-tokens", str(flags.max_prefill_tokens)]
+    return engine_args
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -100,6 +102,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.bar(x - 0.2, live, 0.4, label="live")
         ax.bar(x + 0.2, simulated, 0.4, label="simulated")
         ax.set_xticks(x, [r["strategy"] for r in rows])
+        if key != "output_tok_s":  # (static and offline latencies are tens of times the others')
+            ax.set_yscale("log")
         ax.set_title(name)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--offline-requests", type=int, default=128,
                    help="requests of the offline run replayed too (0: none)")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="live runs already in the runs folder (next to the JSON) are simulated again, not re-run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=30710)
     p.add_argument("--json", type=Path)
@@ -136,23 +142,25 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"== calibration: a live server's steps -> {args.profile}", flush=True)
         calibrate(args, args.profile)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for strategy in args.strategies.split(","):
-            print(f"== {strategy}: live", flush=True)
-            live = Path(tmp) / f"{strategy}.json"
+    runs = path.with_suffix(".runs")  # the live runs, kept: `python -m sim run --replay` takes them again
+    runs.mkdir(parents=True, exist_ok=True)
+    for strategy in args.strategies.split(","):
+        print(f"== {strategy}: live", flush=True)
+        live = runs / f"{strategy}.json"
+        if not (args.reuse_runs and live.exists()):
             serve_and_measure(args, strategy, live)
-            print(f"== {strategy}: simulated", flush=True)
-            summary = simulate(args, strategy, live, args.server_args)
-            rows.append({"strategy": strategy, "fidelity": summary["fidelity"],
-                         "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
-        if args.offline_requests:
-            print(f"== offline ({args.offline_requests} requests at once, loom batching): live", flush=True)
-            live = Path(tmp) / "offline.json"
-            engine_args = offline(args, live)
-            print("== offline: simulated", flush=True)
-            summary = simulate(args, "loom", live, [*args.server_args, *engine_args])
-            rows.append({"strategy": "offline", "fidelity": summary["fidelity"],
-                         "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
+        print(f"== {strategy}: simulated", flush=True)
+        summary = simulate(args, strategy, live, args.server_args)
+        rows.append({"strategy": strategy, "fidelity": summary["fidelity"],
+                     "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
+    if args.offline_requests:
+        print(f"== offline ({args.offline_requests} requests at once, loom batching): live", flush=True)
+        live = runs / "offline.json"
+        engine_args = offline(args, live, run=not (args.reuse_runs and live.exists()))
+        print("== offline: simulated", flush=True)
+        summary = simulate(args, "loom", live, [*args.server_args, *engine_args])
+        rows.append({"strategy": "offline", "fidelity": summary["fidelity"],
+                     "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
 
     def cell(r, key, scale=1.0):
         f = r["fidelity"][key]
@@ -166,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
               "rows": rows}
     path = write_json(path, result)
     plot_path = args.plot or path.with_suffix(".png")
-    plot(rows, plot_path, f"{args.num_prompts} requests, Poisson {args.request_rate:g}/s, prompts "
+    plot(rows, plot_path, f"{args.num_prompts} requests, Poisson {args.request_rate:g}/s (offline: "
+                          f"{args.offline_requests} at once), prompts "
                           f"{int(args.input_len * args.range_ratio)}-{args.input_len}, outputs "
                           f"{int(args.output_len * args.range_ratio)}-{args.output_len} ({cpu['model_name']})")
     print(f"results: {path}, plot: {plot_path}")

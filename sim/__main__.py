@@ -123,7 +123,8 @@ def simulate(args, overrides: dict | None = None):
             "dllm_in_place": args.dllm_in_place} if args.dllm_algorithm else {}
     sim = Simulator(SchedulerConfig.from_args(vars(args), slots, context, **dllm), pred, replicas=args.dp_size,
                     pp_stages=args.pp_stages, load_balance_method=args.load_balance_method, seed=args.seed,
-                    progress=not args.no_progress, dllm_rounds=tuple(args.dllm_rounds))
+                    progress=not args.no_progress, dllm_rounds=tuple(args.dllm_rounds),
+                    overlap=not args.disable_overlap_schedule)
     return sim.run(requests), measured
 
 

@@ -36,38 +36,58 @@ class Predictor:
 
 
 class FittedPredictor(Predictor):
-    def __init__(self, intercept: float, coef: dict[str, float], meta: dict | None = None):
+    """intercept + coef . STEP_FEATURES + knee_coef x min(tokens, knee): the knee term lets the
+    first few tokens of a step cost more than the rest (a step of a few rows streams every weight
+    for little arithmetic; past the knee its time grows with its tokens' compute), which a
+    straight line through small and large steps gets wrong at both ends."""
+
+    KNEES = (0, 2, 4, 8, 16, 32, 64)  # candidates the fit picks from (0: no knee term)
+
+    def __init__(self, intercept: float, coef: dict[str, float], meta: dict | None = None, knee: int = 0,
+                 knee_coef: float = 0.0):
         self.intercept = intercept
         self.coef = coef
         self.meta = meta or {}
+        self.knee, self.knee_coef = knee, knee_coef
         self._w = tuple(coef[f] for f in STEP_FEATURES)
         self.description = f"fitted on {self.meta.get('cpu', 'this machine')} ({self.meta.get('dtype', '?')})"
 
     def seconds_of_shape(self, shape: tuple) -> float:
         w0, w1, w2, w3, w4 = self._w
         t, s, pa, dc, r = shape
-        return self.intercept + w0 * t + w1 * s + w2 * pa + w3 * dc + w4 * r
+        return (self.intercept + w0 * t + w1 * s + w2 * pa + w3 * dc + w4 * r
+                + self.knee_coef * (t if t < self.knee else self.knee))
 
     @classmethod
     def load(cls, path: str | Path) -> "FittedPredictor":
         data = json.loads(Path(path).read_text())
-        return cls(data["intercept"], data["coef"], data.get("meta"))
+        return cls(data["intercept"], data["coef"], data.get("meta"), data.get("knee", 0), data.get("knee_coef", 0.0))
 
     @classmethod
     def fit(cls, shapes: list[tuple], seconds: list[float], meta: dict | None = None) -> "FittedPredictor":
         """Least squares of the relative error (a 20 ms decode step counts as much as a 1 s
-        prompt step), with non-negative coefficients (time never falls as work grows)."""
+        prompt step), with non-negative coefficients (time never falls as work grows); the knee
+        is the candidate with the smallest mean relative error on these steps."""
         import numpy as np
         from sklearn.linear_model import LinearRegression
 
+        x = np.asarray(shapes, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
-        model = LinearRegression(positive=True).fit(shapes, y, sample_weight=1.0 / y**2)
+        best = None
+        for knee in cls.KNEES:
+            features = np.column_stack([x, np.minimum(x[:, 0], knee)]) if knee else x
+            model = LinearRegression(positive=True).fit(features, y, sample_weight=1.0 / y**2)
+            error = float(np.mean(np.abs(model.predict(features) - y) / y))
+            if best is None or error < best[0] - 1e-9:
+                best = (error, knee, model)
+        _, knee, model = best
         coef = dict(zip(STEP_FEATURES, (float(c) for c in model.coef_)))
-        return cls(max(0.0, float(model.intercept_)), coef, meta)
+        return cls(max(0.0, float(model.intercept_)), coef, meta, knee, float(model.coef_[-1]) if knee else 0.0)
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         Path(path).write_text(json.dumps({"intercept": self.intercept, "coef": self.coef, "features": STEP_FEATURES,
-                                          "meta": self.meta, **(extra or {})}, indent=1))
+                                          "knee": self.knee, "knee_coef": self.knee_coef, "meta": self.meta,
+                                          **(extra or {})}, indent=1))
 
 
 @dataclass(frozen=True)

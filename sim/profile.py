@@ -125,11 +125,24 @@ LIVE_PHASES = ((48, 512, 64, 0.1, float("inf")),  # long prompt steps, then larg
 QUICK_PHASES = ((8, 32, 8, 0.5, float("inf")), (8, 16, 8, 0.5, 8.0))
 
 
-def read_step_logs(paths: list[Path]) -> tuple[list[tuple], list[float]]:
-    """(shape, seconds) of every step in the logs (--step-log-file JSON lines)."""
-    shapes, seconds = [], []
+def read_step_logs(paths: list[Path]) -> tuple[list[tuple], list[float], dict]:
+    """(shape, seconds) of every step in the logs (--step-log-file JSON lines), or in the samples
+    an earlier fit kept (a profile JSON: fit them again; its description of the model and machine
+    comes along)."""
+    shapes, seconds, meta = [], [], {}
     for path in paths:
-        for line in path.read_text().splitlines():
+        text = path.read_text()
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:  # JSON lines
+            whole = None
+        if isinstance(whole, dict) and "samples" in whole:
+            meta = {k: v for k, v in whole.get("meta", {}).items() if k not in ("steps", "fit_mape", "fit_p90_error")}
+            for sample in whole["samples"]:
+                shapes.append(tuple(sample["shape"]))
+                seconds.append(sample["seconds"])
+            continue
+        for line in text.splitlines():
             if line.strip():
                 step = json.loads(line)
                 if step["seconds"] > 0:
@@ -137,7 +150,7 @@ def read_step_logs(paths: list[Path]) -> tuple[list[tuple], list[float]]:
                     seconds.append(step["seconds"])
     if not seconds:
         raise SystemExit(f"no steps in {', '.join(map(str, paths))}")
-    return shapes, seconds
+    return shapes, seconds, meta
 
 
 def profile_live(server_argv: list[str], phases=LIVE_PHASES, port: int = 30790, seed: int = 11,
@@ -167,7 +180,7 @@ def profile_live(server_argv: list[str], phases=LIVE_PHASES, port: int = 30790, 
                     "--no-plot", *([] if progress else ["--disable-tqdm"])]))
         finally:
             stop(server)
-        shapes, seconds = read_step_logs([log])
+        shapes, seconds, _ = read_step_logs([log])
     return shapes, seconds, info
 
 
@@ -208,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             shapes, seconds, info = profile_live(server_argv, QUICK_PHASES if args.quick else LIVE_PHASES, args.port)
             meta |= {"source": "live server", **live_meta(info)}
         else:
-            shapes, seconds = read_step_logs(args.step_log)
-            meta |= {"source": "step logs " + ", ".join(map(str, args.step_log))}
+            shapes, seconds, earlier = read_step_logs(args.step_log)
+            meta |= {**earlier, "source": "step logs " + ", ".join(map(str, args.step_log))}
     else:
         runner, dtype, why, model_dir = build_runner(server)
         grid = dict(decode_rows=(1, 4), contexts=(16,), prompts=(8, 32), decode_reps=2) if args.quick else {}

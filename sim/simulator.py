@@ -9,6 +9,11 @@ up to K steps of disjoint requests in flight (the core leaves requests in flight
 plans: SchedulerConfig.pipeline_stages), so stage s works on micro-batch i while stage s+1 works on
 micro-batch i-1.
 
+Overlap scheduling (overlap=True, the server's default): as the live overlap loop, the next step
+is planned as soon as a step starts (the core plans around the step in flight), unless the core's
+overlap_blocker says to wait for its result; a request that arrives while a step runs therefore
+joins the step after next, as it does live.
+
 Block diffusion (a config with dllm_block_size): the core plans diffusion steps as it does live;
 how many rounds each block needs comes from sim/dllm.py (BlockRounds), and a step lasts its
 rounds' predicted times.
@@ -84,7 +89,7 @@ class SimResult:
 
 
 class _Replica:
-    __slots__ = ("index", "core", "stage_free", "in_flight", "received", "finished")
+    __slots__ = ("index", "core", "stage_free", "in_flight", "received", "finished", "planned")
 
     def __init__(self, index: int, core: SchedulerCore, stages: int):
         self.index = index
@@ -93,6 +98,7 @@ class _Replica:
         self.in_flight = 0  # steps planned and not yet applied
         self.received = 0
         self.finished: list[str] = []  # since the last load report
+        self.planned = None  # overlap: the step planned while the one in flight runs
 
 
 class _Routed:
@@ -108,12 +114,14 @@ class _Routed:
 class Simulator:
     def __init__(self, config: SchedulerConfig, predictor: Predictor, replicas: int = 1, pp_stages: int = 1,
                  load_balance_method: str = "round_robin", seed: int = 0, progress: bool = True,
-                 dllm_rounds: tuple[int, int] = (4, 12)):
+                 dllm_rounds: tuple[int, int] = (4, 12), overlap: bool = False):
         if replicas < 1 or pp_stages < 1:
             raise ValueError("replicas and pipeline stages: at least 1 each")
         if config.dllm_block_size and pp_stages > 1:
             raise ValueError("block diffusion runs on one pipeline stage only")
         self.block_rounds = BlockRounds(*dllm_rounds, seed=seed) if config.dllm_block_size else None
+        # as the live scheduler: no overlap loop for diffusion steps or pipeline stages
+        self.overlap = overlap and not config.dllm_block_size and pp_stages == 1
         self.config = replace(config, pipeline_stages=pp_stages)
         self.predictor = predictor
         self.stages = pp_stages
@@ -135,54 +143,69 @@ class Simulator:
         steps, tbts = StepLog(), array("d")
         predict = self.predictor.seconds
         stage_count = self.stages
+        overlap = self.overlap
         bar = _progress(len(requests)) if self.progress else None
         done = 0
         now = 0.0
 
-        def start_steps(rep: _Replica, now: float) -> None:
-            """Plans steps while the replica's first stage is free and it has fewer than K in flight."""
-            nonlocal seq
+        def plan(rep: _Replica, now: float):
+            """The core's next step (None: nothing to run), with the records' bookkeeping."""
             core = rep.core
-            while rep.in_flight < stage_count and rep.stage_free[0] <= now:
-                retractions = core.num_retractions
-                batch, ended = core.next_batch(now)
-                for out in ended:
-                    finish(out.req, now, rep)
-                if core.num_retractions != retractions:
-                    for req in core.waiting:
-                        rec = by_rid[req.rid]
-                        if req.retractions > rec.restarts:
-                            rec.restarts, rec.preempted_at = req.retractions, now
-                if batch is None:
-                    return
+            retractions = core.num_retractions
+            batch, ended = core.next_batch(now)
+            for out in ended:
+                finish(out.req, now, rep)
+            if core.num_retractions != retractions:
+                for req in core.waiting:
+                    rec = by_rid[req.rid]
+                    if req.retractions > rec.restarts:
+                        rec.restarts, rec.preempted_at = req.retractions, now
+            if batch is not None:
                 for row in batch.rows:
                     rec = by_rid[row.req.rid]
                     if rec.scheduled < 0:
                         rec.scheduled = now
-                if batch.dllm_block_size:
-                    duration, dllm_result = self.block_rounds.run(batch, self.predictor)
-                else:
-                    duration, dllm_result = predict(batch), None
-                stage_s = duration / stage_count
-                t = now
-                for s in range(stage_count):  # each stage starts when it is free and the last is done
-                    t = max(t, rep.stage_free[s]) + stage_s
-                    rep.stage_free[s] = t
-                rep.in_flight += 1
-                steps.replica.append(rep.index)
-                steps.start.append(now)
-                steps.duration.append(t - now)
-                steps.rows.append(len(batch.rows))
-                tokens = batch.num_tokens
-                steps.tokens.append(tokens)
-                steps.decodes.append(batch.num_decode)
-                steps.kv_used.append(core.token_pool.capacity - core.token_pool.num_free)
-                steps.waiting.append(len(core.waiting))
-                heapq.heappush(events, (t, seq, STEP_DONE, (rep, batch, dllm_result)))
+            return batch
+
+        def launch(rep: _Replica, batch, now: float) -> None:
+            nonlocal seq
+            core = rep.core
+            if batch.dllm_block_size:
+                duration, dllm_result = self.block_rounds.run(batch, self.predictor)
+            else:
+                duration, dllm_result = predict(batch), None
+            stage_s = duration / stage_count
+            t = now
+            for s in range(stage_count):  # each stage starts when it is free and the last is done
+                t = max(t, rep.stage_free[s]) + stage_s
+                rep.stage_free[s] = t
+            rep.in_flight += 1
+            steps.replica.append(rep.index)
+            steps.start.append(now)
+            steps.duration.append(t - now)
+            steps.rows.append(len(batch.rows))
+            steps.tokens.append(batch.num_tokens)
+            steps.decodes.append(batch.num_decode)
+            steps.kv_used.append(core.token_pool.capacity - core.token_pool.num_free)
+            steps.waiting.append(len(core.waiting))
+            heapq.heappush(events, (t, seq, STEP_DONE, (rep, batch, dllm_result)))
+            seq += 1
+            if stage_count > 1:
+                heapq.heappush(events, (rep.stage_free[0], seq, STAGE_FREE, rep))
                 seq += 1
-                if stage_count > 1:
-                    heapq.heappush(events, (rep.stage_free[0], seq, STAGE_FREE, rep))
-                    seq += 1
+            if overlap:  # the live overlap loop plans the next step as this one starts
+                rep.planned = None if core.overlap_blocker(batch) is not None else plan(rep, now)
+
+        def start_steps(rep: _Replica, now: float) -> None:
+            """Launches steps while the replica's first stage is free and it has fewer than K in
+            flight; with overlap, the step planned while the last one ran goes first."""
+            while rep.in_flight < stage_count and rep.stage_free[0] <= now:
+                batch, rep.planned = rep.planned, None
+                if batch is None:
+                    batch = plan(rep, now)
+                if batch is None:
+                    return
+                launch(rep, batch, now)
 
         def finish(req: Req, now: float, rep: _Replica) -> None:
             nonlocal done

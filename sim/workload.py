@@ -125,8 +125,8 @@ def from_bench_json(path: str | Path) -> tuple[list[SimRequest], dict]:
         out = [SimRequest(f"r{i}", 0.0, int(p), int(o)) for i, (p, o) in enumerate(zip(work["input_lens"],
                                                                                      work["output_lens"]))]
         loom = data.get("loom", {})
-        measured = {"ttft_s": (loom.get("ttft_s") or {}).get("median"),
-                    "e2e_s": (loom.get("e2e_latency_s") or {}).get("median"),
+        measured = {"ttft_s": (loom.get("ttft_s") or {}).get("p50"),
+                    "e2e_s": (loom.get("e2e_latency_s") or {}).get("p50"),
                     "output_tok_s": loom.get("output_tok_s")}
     else:
         raise ValueError(f"{path}: neither a bench_serving nor a bench_offline result")

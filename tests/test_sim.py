@@ -101,6 +101,18 @@ def test_every_request_completes_on_the_virtual_clock():
     assert s["ttft_s"]["p50"] >= 0.01 and s["tbt_s"]["p50"] >= 0.01
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_plans_the_next_step_as_a_step_starts(overlap):
+    """As the live overlap loop: the step after the one running was planned when it started, so a
+    request arriving meanwhile joins the step after next; without overlap, the next one."""
+    reqs = [workload.SimRequest("a", 0.0, 16, 10), workload.SimRequest("b", 0.005, 16, 10)]
+    res = Simulator(config(), UnitSteps(0.01), progress=False, overlap=overlap).run(reqs)
+    by = {r.rid: r for r in res.records}
+    assert by["a"].scheduled == 0.0 and by["a"].first_token == pytest.approx(0.01)
+    assert by["b"].first_token == pytest.approx(0.03 if overlap else 0.02)
+    assert all(r.tokens == 10 for r in res.records)
+
+
 def _simulate_diffusion(mode: str, block: int = 8):
     reqs = [workload.SimRequest(f"r{i}", 0.0, 5 + 3 * i, 20) for i in range(8)]  # 3 blocks of output each
     cfg = config(dllm_block_size=block, dllm_fdfo=mode != "sync", dllm_in_place=mode == "fdfo",
@@ -300,7 +312,7 @@ def test_the_scheduler_logs_every_step_for_the_fit(tmp_path, default_model_dir):
                                                                    "temperature": 0})
     assert all(o["meta_info"]["completion_tokens"] == 6 for o in outs)
     steps = [json.loads(line) for line in log.read_text().splitlines()]
-    shapes, seconds = read_step_logs([log])
+    shapes, seconds, _ = read_step_logs([log])
     assert len(shapes) == len(steps) >= 6 and all(t > 0 for t in seconds)
     assert all(s["seconds"] >= s["forward_s"] * 0.5 for s in steps)
     tokens, sampled = sum(s[0] for s in shapes), sum(s[1] for s in shapes)
