@@ -408,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   if probes else "the start-up probe")
         print(f"batch 1: {rows[0]['decode_tok_s']:.1f} decode tok/s = {rows[0]['decode_pct_of_bandwidth_roof']:.0f}% "
               f"of the bandwidth limit {rows[0]['bandwidth_roof_tok_s']:.1f} tok/s ({source})")
+    kernel_isa = runner.kernel_isa
     hf = None
     if args.hf_baseline:
         runner = None  # free the memory and threads before the baseline
@@ -439,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine,
         "model": {"dir": str(model_dir), "dtype": dtype_name, "dtype_reason": dtype_reason,
-                  "kernel_backend": backend, "kernel_isa": runner.kernel_isa, "quantization": args.quantization,
+                  "kernel_backend": backend, "kernel_isa": kernel_isa, "quantization": args.quantization,
                   "kv_slots": kv_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
                   "flops_per_token": weights.flops_per_token},
         "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,

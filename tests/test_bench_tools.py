@@ -194,3 +194,15 @@ def test_shared_prefix_and_multi_turn_datasets(smollm2_tokenizer):
     results = [RequestResult(1, 1, success=True, ttft=t, turn=k) for k, t in ((0, 0.1), (1, 0.2), (0, 0.3))]
     assert [(t["turn"], t["completed"], t["ttft_ms"]["median"]) for t in ttft_by_turn(results)] == \
         [(0, 2, pytest.approx(200.0)), (1, 1, pytest.approx(200.0))]
+
+
+def test_one_batch_with_the_hf_baseline_writes_its_result(tmp_path, default_model_dir):
+    """The loom runner is freed before the baseline runs; the result still names its kernels."""
+    from benchmarks import bench_one_batch
+    from inproc import build_tiny_checkpoint, with_tokenizer
+
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=1), default_model_dir)
+    result = bench_one_batch.main(["--model-path", str(path), "--batch-sizes", "1", "--input-len", "8",
+                                   "--output-len", "4", "--dtype", "float32", "--no-probe", "--no-plot",
+                                   "--hf-baseline", "--json", str(tmp_path / "one_batch.json")])
+    assert result["model"]["kernel_isa"] and result["hf_batch1"]["decode_tok_s"] > 0
