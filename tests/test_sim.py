@@ -314,7 +314,9 @@ def test_the_scheduler_logs_every_step_for_the_fit(tmp_path, default_model_dir):
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     shapes, seconds, _ = read_step_logs([log])
     assert len(shapes) == len(steps) >= 6 and all(t > 0 for t in seconds)
-    assert all(s["seconds"] >= s["forward_s"] * 0.5 for s in steps)
+    # (one step's wall share may be shorter than its forward: with overlap it ran while the one
+    # before was still being applied; the worker's forwards all fit in the scheduler's time)
+    assert sum(seconds) >= 0.8 * sum(s["forward_s"] for s in steps)
     tokens, sampled = sum(s[0] for s in shapes), sum(s[1] for s in shapes)
     assert sampled == 4 * 6 and tokens == sum(map(len, prompts)) + 4 * 5
     assert sum(s[3] for s in shapes) > 0 and max(s[4] for s in shapes) >= 2  # decode contexts; batched rows

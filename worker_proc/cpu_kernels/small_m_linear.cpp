@@ -379,8 +379,9 @@ inline __m512 sum_lanes_16(const __m512 v[16]) {
 
 // y[:, n0 : n0 + 16] for one block of packed W [k / 64][16][64]; rows of x one after another
 // (from the second on, the block is read from L1/L2).
+template <typename T>
 inline void int8_blocked_rows(const uint8_t* block, const float* scale, const QuantizedX8& qx, int64_t m, int64_t k,
-                              at::BFloat16* y, int64_t n_out, int64_t n0) {
+                              T* y, int64_t n_out, int64_t n0) {
   for (int64_t i = 0; i < m; ++i) {
     __m512 acc[kInt8Block];
     for (auto& a : acc) a = _mm512_setzero_ps();
@@ -398,27 +399,29 @@ inline void int8_blocked_rows(const uint8_t* block, const float* scale, const Qu
     const int64_t rows = std::min(kInt8Block, n_out - n0);  // the last block may be part padding
     const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
     const __m512 out = _mm512_mul_ps(sum_lanes_16(acc), _mm512_maskz_loadu_ps(live, scale));
-    at::BFloat16* yi = y + i * n_out + n0;
+    T* yi = y + i * n_out + n0;
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_mask_storeu_ps(yi, live, out);
+    } else {
 #if defined(__AVX512BF16__)
-    _mm256_mask_storeu_epi16(yi, live, (__m256i)_mm512_cvtneps_pbh(out));
+      _mm256_mask_storeu_epi16(yi, live, (__m256i)_mm512_cvtneps_pbh(out));
 #else
-    alignas(64) float part[kInt8Block];
-    _mm512_store_ps(part, out);
-    for (int64_t r = 0; r < rows; ++r) yi[r] = static_cast<at::BFloat16>(part[r]);
+      alignas(64) float part[kInt8Block];
+      _mm512_store_ps(part, out);
+      for (int64_t r = 0; r < rows; ++r) yi[r] = static_cast<T>(part[r]);
 #endif
+    }
   }
 }
 
-torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scale) {
-  const auto x = x_in.contiguous();
+template <typename T>
+torch::Tensor linear_int8_blocked_as(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
   const int64_t m = x.size(0), k = x.size(1), n_out = scale.numel(), blocks = w.size(0);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.size(1) * 64 == k,
-              "packed int8 weights take bfloat16 x with K = ", w.size(1) * 64);
-  const auto qx = quantize_x8(x.data_ptr<at::BFloat16>(), m, k);
+  const auto qx = quantize_x8(x.data_ptr<T>(), m, k);
   auto out = torch::empty({m, n_out}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* scales = scale.data_ptr<float>();
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  T* y = out.data_ptr<T>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       int8_blocked_rows(wp + b * k * kInt8Block, scales + b * kInt8Block, qx, m, k, y, n_out, b * kInt8Block);
@@ -426,13 +429,21 @@ torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor
   return out;
 }
 
+torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scale) {
+  const auto x = x_in.contiguous();
+  TORCH_CHECK((x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32) && w.size(1) * 64 == x.size(1),
+              "packed int8 weights take bfloat16 or float32 x with K = ", w.size(1) * 64);
+  return x.scalar_type() == torch::kFloat32 ? linear_int8_blocked_as<float>(x, w, scale)
+                                            : linear_int8_blocked_as<at::BFloat16>(x, w, scale);
+}
+
 // int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
 // llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
 // (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
 // one instruction:
 //   W[n] . x = sum_g scale[n,g] * dx[g] * (q_g . xq_g) + sum_g min[n,g] * sum(x_g).
-// Used for bfloat16 activations (already rounded to 8 bits of mantissa); float32 keeps the exact path
-// on VNNI builds.
+// Used for bfloat16 and float32 activations, as the AVX2 builds do (--quantization is llama.cpp's
+// Q4 x Q8 arithmetic on every CPU kind).
 template <int R, int MX>
 inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& qx, int64_t i0, int64_t k,
                             float out[R][kXBlock]) {
@@ -476,17 +487,17 @@ inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& 
   }
 }
 
-// y = x @ W.T for bfloat16 x [M, K]: x quantized once by `quantize`, then rows of W (see
+// y = x @ W.T for x [M, K] of T (bfloat16 or float32): x quantized once by `quantize`, then rows of W (see
 // for_row_blocks; blocks of Rows::kBlockRows) dotted with the quantized rows of x, kXBlock at a
 // time, by `block_dot_fn`.
-template <typename Rows, typename Quantize, typename Block>
+template <typename T, typename Rows, typename Quantize, typename Block>
 torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n_out, Quantize quantize,
                           Block block_dot_fn) {
   const auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
-  const auto qx = quantize(x.data_ptr<at::BFloat16>(), m, k);
+  const auto qx = quantize(x.data_ptr<T>(), m, k);
   auto out = torch::empty({m, n_out}, x.options());
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  T* y = out.data_ptr<T>();
   for_row_blocks<Rows::kBlockRows>(m, n_out, [&](auto r_const, int64_t n0) {
     constexpr int R = decltype(r_const)::value;
     for (int64_t i0 = 0; i0 < m; i0 += kXBlock) {
@@ -494,7 +505,7 @@ torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n
       const int64_t mx = std::min<int64_t>(kXBlock, m - i0);
       block_dot_fn(r_const, mx, rows, n0, qx, i0, k, part);
       for (int r = 0; r < R; ++r)
-        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<at::BFloat16>(part[r][i]);
+        for (int64_t i = 0; i < mx; ++i) y[(i0 + i) * n_out + n0 + r] = static_cast<T>(part[r][i]);
     }
   });
   return out;
@@ -998,12 +1009,11 @@ bool dense_bf16_dot() {
 }
 
 // Whether linear_int4, and linear_int8 on pack_int8's layout, quantize activations of `dtype` to
-// int8 per group of 32 (integer dot products): bfloat16 on VNNI builds, float32 and bfloat16 on
-// AVX2 ones (where float32 is usually the fast dtype and widening the codes is compute-bound).
+// int8 per group of 32 (integer dot products): float32 and bfloat16 on VNNI and AVX2 builds
+// (widening the codes to float is compute-bound: on an AVX-512 Xeon without AMX, where float32 is
+// the fast dtype, int4 batch 1 ran at 16.7 ms a step on one core for 80 MiB of weights).
 bool quantized_int8_activations(at::ScalarType dtype) {
-#if defined(LOOM_VNNI)
-  return dtype == torch::kBFloat16;
-#elif defined(LOOM_AVX2_INT)
+#if defined(LOOM_VNNI) || defined(LOOM_AVX2_INT)
   return dtype == torch::kBFloat16 || dtype == torch::kFloat32;
 #else
   return false;
@@ -1041,7 +1051,9 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   const Int4Rows rows{w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), minimum.data_ptr<at::Half>(), k};
 #if defined(LOOM_VNNI)
   if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0)
-    return vnni_linear(x, rows, n, quantize_x<at::BFloat16>, LOOM_VNNI_BLOCK(int4_vnni_block));
+    return vnni_linear<at::BFloat16>(x, rows, n, quantize_x<at::BFloat16>, LOOM_VNNI_BLOCK(int4_vnni_block));
+  if (x.scalar_type() == torch::kFloat32 && k % (2 * kGroup) == 0)
+    return vnni_linear<float>(x, rows, n, quantize_x<float>, LOOM_VNNI_BLOCK(int4_vnni_block));
 #elif defined(LOOM_AVX2_INT)
   if (x.dim() == 2 && k % (2 * kGroup) == 0 && quantized_int8_activations(x.scalar_type())) {
     const auto xc = x.contiguous();
