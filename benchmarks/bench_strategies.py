@@ -56,6 +56,12 @@ def simulate(args, strategy: str, replay: Path, server_args: list[str]) -> dict:
                     "--max-running-requests", str(args.max_running_requests), "--no-progress", *server_args])
 
 
+def row(name: str, summary: dict) -> dict:
+    """A table row: the simulator's fidelity against the live run, and what it simulated."""
+    return {"strategy": name, "fidelity": summary["fidelity"],
+            "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}}
+
+
 def calibrate(args, path: Path) -> None:
     """The step-time model, fitted to a live server's steps under the calibration load."""
     from sim.profile import main as profile
@@ -150,17 +156,13 @@ def main(argv: list[str] | None = None) -> dict:
         if not (args.reuse_runs and live.exists()):
             serve_and_measure(args, strategy, live)
         print(f"== {strategy}: simulated", flush=True)
-        summary = simulate(args, strategy, live, args.server_args)
-        rows.append({"strategy": strategy, "fidelity": summary["fidelity"],
-                     "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
+        rows.append(row(strategy, simulate(args, strategy, live, args.server_args)))
     if args.offline_requests:
         print(f"== offline ({args.offline_requests} requests at once, loom batching): live", flush=True)
         live = runs / "offline.json"
         engine_args = offline(args, live, run=not (args.reuse_runs and live.exists()))
         print("== offline: simulated", flush=True)
-        summary = simulate(args, "loom", live, [*args.server_args, *engine_args])
-        rows.append({"strategy": "offline", "fidelity": summary["fidelity"],
-                     "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}})
+        rows.append(row("offline", simulate(args, "loom", live, [*args.server_args, *engine_args])))
 
     def cell(r, key, scale=1.0):
         f = r["fidelity"][key]

@@ -97,7 +97,6 @@ class SchedulerProcess:
         if step_log and args["dp_size"] > 1:
             step_log = f"{step_log}.dp{self.dp_rank}"
         self.step_log = StepRecorder(step_log)
-        self.planned_at: dict[int, float] = {}  # step -> when the plan that made it began (step log)
         # (a diffusion step's rows continue from its result: nothing to plan ahead; a pipeline
         # plans ahead its own way: event_loop_pipeline)
         self.overlap = (not args.get("disable_overlap_schedule", True) and not args.get("dllm_algorithm")
@@ -223,8 +222,8 @@ class SchedulerProcess:
         batch, ended = self.core.next_batch(self.clock())
         self.emit(ended)
         self.report_load(idle=batch is None)
-        if batch is not None and self.step_log.file is not None:
-            self.planned_at[batch.step] = started
+        if batch is not None:
+            self.step_log.on_planned(batch, started)
         return batch
 
     def launch(self, batch: ScheduleBatch, after: ScheduleBatch | None = None) -> None:
@@ -251,8 +250,7 @@ class SchedulerProcess:
             self.emit(self.core.on_dllm_result(batch, result.dllm))
         else:
             self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
-        if self.step_log.file is not None:
-            self.step_log.on_applied(batch, self.clock(), self.planned_at.pop(batch.step), after_idle, result.forward_s)
+        self.step_log.on_applied(batch, self.clock(), after_idle, result.forward_s)
 
     def idle_wait(self) -> None:
         leaks = self.core.idle_leaks()

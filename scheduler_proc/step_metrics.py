@@ -44,10 +44,16 @@ class StepRecorder:
         # line-buffered: a step's line is on disk when its tokens are out (a write per step is noise)
         self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (open for the run)
         self.last_applied: float | None = None
+        self.planned_at: dict[int, float] = {}  # step -> when the plan that made it began
 
-    def on_applied(self, batch, now: float, planned_at: float, after_idle: bool, forward_s: float) -> None:
+    def on_planned(self, batch, planning_began: float) -> None:
+        if self.file is not None:
+            self.planned_at[batch.step] = planning_began
+
+    def on_applied(self, batch, now: float, after_idle: bool, forward_s: float) -> None:
         if self.file is None:
             return
+        planned_at = self.planned_at.pop(batch.step)
         start = planned_at if after_idle or self.last_applied is None else self.last_applied
         self.last_applied = now
         self.file.write(json.dumps({"step": batch.step, "seconds": round(now - start, 6),
