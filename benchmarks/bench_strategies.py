@@ -56,10 +56,21 @@ def simulate(args, strategy: str, replay: Path, server_args: list[str]) -> dict:
                     "--max-running-requests", str(args.max_running_requests), "--no-progress", *server_args])
 
 
-def row(name: str, summary: dict) -> dict:
-    """A table row: the simulator's fidelity against the live run, and what it simulated."""
-    return {"strategy": name, "fidelity": summary["fidelity"],
-            "simulated": {k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}}
+def row(name: str, summaries: list[dict]) -> dict:
+    """A table row over repeated live runs of one configuration, each replayed: the medians of
+    both sides and the error between them (one live run moves by more than the simulator errs on
+    a noisy machine), the live runs' spread, and what the first replay simulated."""
+    import statistics
+
+    fidelity = {}
+    for key in summaries[0]["fidelity"]:
+        measured = [s["fidelity"][key]["measured"] for s in summaries]
+        simulated = statistics.median(s["fidelity"][key]["simulated"] for s in summaries)
+        live = statistics.median(measured)
+        fidelity[key] = {"simulated": simulated, "measured": live, "error": (simulated - live) / live,
+                         "measured_runs": measured, "live_spread": (max(measured) - min(measured)) / live}
+    return {"strategy": name, "runs": len(summaries), "fidelity": fidelity,
+            "simulated": {k: summaries[0][k] for k in ("ttft_s", "tbt_s", "e2e_s", "preemptions", "steps")}}
 
 
 def calibrate(args, path: Path) -> None:
@@ -103,9 +114,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for ax, key, name, scale in ((axes[0], "ttft_p50_s", "median TTFT (ms)", 1e3),
                                  (axes[1], "e2e_p50_s", "median e2e latency (s)", 1.0),
                                  (axes[2], "output_tok_s", "output tok/s", 1.0)):
-        live = [r["fidelity"][key]["measured"] * scale for r in rows]
+        live = np.array([r["fidelity"][key]["measured"] * scale for r in rows])
         simulated = [r["fidelity"][key]["simulated"] * scale for r in rows]
-        ax.bar(x - 0.2, live, 0.4, label="live")
+        runs = [np.array(r["fidelity"][key].get("measured_runs", [r["fidelity"][key]["measured"]])) * scale
+                for r in rows]
+        spread = [live - [m.min() for m in runs], [m.max() for m in runs] - live]
+        ax.bar(x - 0.2, live, 0.4, yerr=spread, capsize=3, label="live (median, range of runs)")
         ax.bar(x + 0.2, simulated, 0.4, label="simulated")
         ax.set_xticks(x, [r["strategy"] for r in rows])
         if key != "output_tok_s":  # (static and offline latencies are tens of times the others')
@@ -132,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--offline-requests", type=int, default=128,
                    help="requests of the offline run replayed too (0: none)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="live runs of each configuration; the table compares medians (default 3)")
     p.add_argument("--reuse-runs", action="store_true",
                    help="live runs already in the runs folder (next to the JSON) are simulated again, not re-run")
     p.add_argument("--seed", type=int, default=1)
@@ -151,26 +167,33 @@ def main(argv: list[str] | None = None) -> dict:
     runs = path.with_suffix(".runs")  # the live runs, kept: `python -m sim run --replay` takes them again
     runs.mkdir(parents=True, exist_ok=True)
     for strategy in args.strategies.split(","):
-        print(f"== {strategy}: live", flush=True)
-        live = runs / f"{strategy}.json"
-        if not (args.reuse_runs and live.exists()):
-            serve_and_measure(args, strategy, live)
-        print(f"== {strategy}: simulated", flush=True)
-        rows.append(row(strategy, simulate(args, strategy, live, args.server_args)))
+        summaries = []
+        for i in range(args.repeats):
+            print(f"== {strategy}: live run {i + 1} of {args.repeats}", flush=True)
+            live = runs / f"{strategy}.{i}.json"
+            if not (args.reuse_runs and live.exists()):
+                serve_and_measure(args, strategy, live)
+            summaries.append(simulate(args, strategy, live, args.server_args))
+        rows.append(row(strategy, summaries))
     if args.offline_requests:
-        print(f"== offline ({args.offline_requests} requests at once, loom batching): live", flush=True)
-        live = runs / "offline.json"
-        engine_args = offline(args, live, run=not (args.reuse_runs and live.exists()))
-        print("== offline: simulated", flush=True)
-        rows.append(row("offline", simulate(args, "loom", live, [*args.server_args, *engine_args])))
+        summaries = []
+        for i in range(args.repeats):
+            print(f"== offline ({args.offline_requests} requests at once, loom batching): live run {i + 1} of "
+                  f"{args.repeats}", flush=True)
+            live = runs / f"offline.{i}.json"
+            engine_args = offline(args, live, run=not (args.reuse_runs and live.exists()))
+            summaries.append(simulate(args, "loom", live, [*args.server_args, *engine_args]))
+        rows.append(row("offline", summaries))
 
     def cell(r, key, scale=1.0):
         f = r["fidelity"][key]
-        return f"{f['measured'] * scale:.4g} / {f['simulated'] * scale:.4g} ({f['error']:+.0%})"
+        return (f"{f['measured'] * scale:.4g} / {f['simulated'] * scale:.4g} ({f['error']:+.0%}; "
+                f"live runs ±{f['live_spread'] / 2:.0%})")
 
     table = format_table(["strategy", "TTFT p50 ms live / sim", "e2e p50 s live / sim", "out tok/s live / sim"],
                          [(r["strategy"], cell(r, "ttft_p50_s", 1e3), cell(r, "e2e_p50_s"), cell(r, "output_tok_s"))
                           for r in rows])
+    print(f"(medians of {args.repeats} live runs each against their replays; ± is half the live runs' range)")
     print(table)
     result = {"benchmark": "bench_strategies", "cpu": cpu, "args": {k: str(v) for k, v in vars(args).items()},
               "rows": rows}

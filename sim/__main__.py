@@ -54,7 +54,7 @@ def _add_sim(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-slots", type=int,
                    help="KV token slots per replica (default: --kv-cache-gb over the profiled model's bytes per "
                         "token; on --hardware, 90%% of its memory less the weights)")
-    s.add_argument("--hardware-memory-gb", type=float, default=80.0, help="device memory for --hardware")
+    s.add_argument("--hardware-memory-gb", type=float, default=80.0, help="memory of one device of --hardware (a replica has --tp-size of them)")
     s.add_argument("--max-context-len", type=int, help="context limit (default: the profiled model's, or 8192)")
     s.add_argument("--pp-stages", type=int, default=1, help="pipeline stages per replica (micro-batches)")
     s.add_argument("--dllm-rounds", type=int, nargs=2, default=(4, 12), metavar=("LOW", "HIGH"),
@@ -98,9 +98,12 @@ def _predictor_and_pool(args) -> tuple[object, int, int]:
         slots = args.kv_slots or (int(args.kv_cache_gb / args.dp_size * (1 << 30)) // per_token if per_token else None)
         context = args.max_context_len or pred.meta.get("context_len") or 8192
     elif args.hardware and args.model_shape:
-        pred = RooflinePredictor.named(args.hardware, args.model_shape)
+        try:
+            pred = RooflinePredictor.named(args.hardware, args.model_shape, args.tp_size)
+        except ValueError as e:
+            raise SystemExit(str(e))
         shape = MODELS[args.model_shape]
-        free = args.hardware_memory_gb * 1e9 * 0.9 - shape.weight_bytes
+        free = args.hardware_memory_gb * 1e9 * 0.9 * args.tp_size - shape.weight_bytes  # (a replica's devices)
         slots = args.kv_slots or int(free // pred.kv_bytes_per_token)
         context = args.max_context_len or 8192
     else:

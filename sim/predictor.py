@@ -10,6 +10,10 @@
                      every token, the LM head for sampled rows, attention (QK and PV) over each
                      token's context; bytes of every weight once plus the KV each row reads and
                      writes. mfu/mbu are the fractions of peak a well-tuned engine reaches.
+                     Over --tp-size devices each holds 1/tp of the weights, heads and KV and does
+                     1/tp of the arithmetic, and every layer adds two all-reduces of the step's
+                     activations over the interconnect (a ring: 2 (tp-1)/tp of the bytes each way,
+                     plus a fixed latency per collective).
 
 The step's shape: scheduler_proc.step_metrics.STEP_FEATURES (the live scheduler logs the same
 features with --step-log-file).
@@ -97,6 +101,8 @@ class Device:
     mfu: float = 0.5
     mbu: float = 0.8
     step_overhead_s: float = 0.5e-3  # launch, scheduling, sampling not hidden
+    interconnect: float = 0.0  # bytes/s each way between the devices of a tensor-parallel group
+    collective_latency_s: float = 10e-6  # a small all-reduce's fixed cost
 
 
 @dataclass(frozen=True)
@@ -121,15 +127,17 @@ class ModelShape:
 
 
 DEVICES = {
-    "h100": Device(flops=989e12, bandwidth=3.35e12),  # SXM, bf16 dense
-    "h200": Device(flops=989e12, bandwidth=4.8e12),
-    "a100": Device(flops=312e12, bandwidth=2.0e12),  # SXM 80 GB
-    "l40s": Device(flops=362e12, bandwidth=0.864e12),
+    "h100": Device(flops=989e12, bandwidth=3.35e12, interconnect=450e9),  # SXM, bf16 dense, NVLink 4
+    "h200": Device(flops=989e12, bandwidth=4.8e12, interconnect=450e9),
+    "a100": Device(flops=312e12, bandwidth=2.0e12, interconnect=300e9),  # SXM 80 GB, NVLink 3
+    "l40s": Device(flops=362e12, bandwidth=0.864e12, interconnect=32e9),  # PCIe 4 x16
 }
 
 MODELS = {
     "llama-2-7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008,
                              vocab=32000),
+    "llama-2-70b": ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, intermediate=28672,
+                              vocab=32000),
     "llama-3-8b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
                              vocab=128256),
     "qwen2.5-7b": ModelShape(layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, intermediate=18944,
@@ -140,27 +148,36 @@ MODELS = {
 
 
 class RooflinePredictor(Predictor):
-    def __init__(self, device: Device, model: ModelShape, device_name: str = "", model_name: str = ""):
-        self.device, self.model = device, model
-        d, m = device, model
-        self.s_per_flop = 1.0 / (d.flops * d.mfu)
-        self.s_per_byte = 1.0 / (d.bandwidth * d.mbu)
+    def __init__(self, device: Device, model: ModelShape, device_name: str = "", model_name: str = "",
+                 tensor_parallel: int = 1):
+        if tensor_parallel < 1 or model.kv_heads % tensor_parallel and tensor_parallel % model.kv_heads:
+            raise ValueError(f"--tp-size {tensor_parallel} does not split {model.kv_heads} KV heads")
+        if tensor_parallel > 1 and not device.interconnect:
+            raise ValueError(f"{device_name or 'this device'} has no interconnect for tensor parallelism")
+        self.device, self.model, self.tensor_parallel = device, model, tensor_parallel
+        d, m, tp = device, model, tensor_parallel
+        self.s_per_flop = 1.0 / (d.flops * d.mfu * tp)
+        self.s_per_byte = 1.0 / (d.bandwidth * d.mbu * tp)
         self.flops_per_token = 2.0 * m.layers * m.linear_params_per_layer
         self.flops_per_sample = 2.0 * m.hidden * m.vocab
         self.flops_per_pair = 4.0 * m.layers * m.heads * m.head_dim  # QK^T and PV, one query x one key
         self.kv_bytes_per_token = 2.0 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes
         self.weight_bytes = float(m.weight_bytes)
-        self.description = (f"roofline {device_name or 'device'} ({d.flops / 1e12:.0f} TFLOP/s x mfu {d.mfu}, "
-                            f"{d.bandwidth / 1e12:.2f} TB/s x mbu {d.mbu}, +{d.step_overhead_s * 1e3:.1f} ms/step) "
-                            f"for {model_name or 'the model'}")
+        # two all-reduces a layer (after attention, after the MLP) of each token's hidden state
+        self.all_reduce_s_per_token = (2 * m.layers * 2 * (tp - 1) / tp * m.hidden * m.dtype_bytes / d.interconnect
+                                       if tp > 1 else 0.0)
+        self.all_reduce_s_per_step = 2 * m.layers * d.collective_latency_s if tp > 1 else 0.0
+        self.description = (f"roofline {device_name or 'device'}{f' x{tp} (tensor parallel)' if tp > 1 else ''} "
+                            f"({d.flops / 1e12:.0f} TFLOP/s x mfu {d.mfu}, {d.bandwidth / 1e12:.2f} TB/s x mbu "
+                            f"{d.mbu}, +{d.step_overhead_s * 1e3:.1f} ms/step) for {model_name or 'the model'}")
 
     @classmethod
-    def named(cls, device: str, model: str) -> "RooflinePredictor":
+    def named(cls, device: str, model: str, tensor_parallel: int = 1) -> "RooflinePredictor":
         if device not in DEVICES:
             raise ValueError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
         if model not in MODELS:
             raise ValueError(f"model {model!r}: choose one of {', '.join(MODELS)}")
-        return cls(DEVICES[device], MODELS[model], device, model)
+        return cls(DEVICES[device], MODELS[model], device, model, tensor_parallel)
 
     def seconds_of_shape(self, shape: tuple) -> float:
         t, s, pa, dc, _ = shape
@@ -169,7 +186,10 @@ class RooflinePredictor(Predictor):
         # their prefix once per step (tiled attention keeps the rest on chip)
         kv_bytes = (dc + t) * self.kv_bytes_per_token
         return max(flops * self.s_per_flop, (self.weight_bytes + kv_bytes) * self.s_per_byte) \
-            + self.device.step_overhead_s
+            + self.device.step_overhead_s + self._all_reduce_seconds(t)
+
+    def _all_reduce_seconds(self, tokens: int) -> float:
+        return self.all_reduce_s_per_step + tokens * self.all_reduce_s_per_token if tokens else 0.0
 
     def describe(self) -> dict:
-        return {"device": asdict(self.device), "model": asdict(self.model)}
+        return {"device": asdict(self.device), "model": asdict(self.model), "tensor_parallel": self.tensor_parallel}

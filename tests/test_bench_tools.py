@@ -210,3 +210,33 @@ def test_one_batch_with_the_hf_baseline_writes_its_result(tmp_path, default_mode
     # (a tiny model's timings are noise: only that the baseline ran and the result was written)
     assert result["model"]["kernel_isa"] and "decode_tok_s" in result["hf_batch1"]
     assert (tmp_path / "one_batch.json").exists()
+
+
+def test_sim_scale_times_loom_and_reads_vidur_metrics(tmp_path, capsys):
+    from benchmarks.bench_sim_scale import main, vidur_summary
+
+    result = main(["--num-requests", "300", "--rate", "20", "--replicas", "2", "--hardware", "a100",
+                   "--model-shape", "llama-2-70b", "--tp-size", "2", "--json", str(tmp_path / "scale.json")])
+    loom = result["runs"]["loom"]
+    assert loom["wall_s"] > 0 and loom["peak_rss_mb"] > 10 and loom["simulated"]["output_tok_s"] > 0
+    assert "300 requests, 2 replicas of llama-2-70b on 2x a100" in capsys.readouterr().out
+    metrics = tmp_path / "vidur" / "run" / "request_metrics.csv"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("request_arrived_at,request_completed_at,prefill_e2e_time,request_e2e_time,"
+                       "request_num_decode_tokens\n0,2,0.1,2,10\n1,4,0.3,3,30\n")
+    assert vidur_summary(tmp_path / "vidur") == {"output_tok_s": 10.0, "ttft_p50_s": pytest.approx(0.2),
+                                                 "e2e_p50_s": 2.5}
+
+
+def test_strategy_rows_compare_medians_of_repeated_live_runs():
+    from benchmarks.bench_strategies import row
+
+    def summary(measured, simulated):
+        fidelity = {k: {"simulated": simulated, "measured": measured, "error": simulated / measured - 1}
+                    for k in ("ttft_p50_s", "e2e_p50_s", "output_tok_s")}
+        return {"fidelity": fidelity, "ttft_s": {}, "tbt_s": {}, "e2e_s": {}, "preemptions": 0, "steps": 1}
+
+    r = row("vllm", [summary(1.0, 1.0), summary(1.5, 1.0), summary(1.1, 1.0)])
+    f = r["fidelity"]["e2e_p50_s"]
+    assert r["runs"] == 3 and f["measured"] == 1.1 and f["error"] == pytest.approx(1.0 / 1.1 - 1)
+    assert f["live_spread"] == pytest.approx(0.5 / 1.1) and f["measured_runs"] == [1.0, 1.5, 1.1]

@@ -14,7 +14,7 @@ import pytest
 from scheduler_proc.core import SchedulerConfig, SchedulerCore
 from scheduler_proc.step_metrics import STEP_FEATURES, step_features
 from sim import metrics, workload
-from sim.predictor import MODELS, FittedPredictor, Predictor, RooflinePredictor
+from sim.predictor import MODELS, Device, FittedPredictor, Predictor, RooflinePredictor
 from sim.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,6 +249,21 @@ def test_roofline_decode_is_bandwidth_bound_and_prefill_compute_bound():
     big.add_request(Req("b", [2] * 4000, SamplingParams(max_new_tokens=5)))
     batch, _ = big.next_batch()
     assert pred.seconds(batch) > 4000 * 2 * 6.5e9 / 989e12  # compute bound: more than the ideal FLOP time
+
+
+def test_roofline_over_tensor_parallel_devices_shares_the_work_and_pays_all_reduces():
+    one = RooflinePredictor.named("a100", "llama-2-70b")
+    two = RooflinePredictor.named("a100", "llama-2-70b", tensor_parallel=2)
+    m = MODELS["llama-2-70b"]
+    decode = (8, 8, 0, 8 * 1000, 8)  # 8 rows of 1,000 tokens of context
+    collectives = 2 * m.layers * (10e-6 + 8 * (2 * 1 / 2) * m.hidden * 2 / 300e9)
+    shared = (one.seconds_of_shape(decode) - 0.5e-3) / 2 + 0.5e-3
+    assert two.seconds_of_shape(decode) == pytest.approx(shared + collectives, rel=1e-9)
+    assert two.seconds_of_shape((0, 0, 0, 0, 0)) == pytest.approx(one.seconds_of_shape((0, 0, 0, 0, 0)) / 2 + 0.25e-3)
+    with pytest.raises(ValueError, match="KV heads"):
+        RooflinePredictor.named("a100", "llama-2-70b", tensor_parallel=3)
+    with pytest.raises(ValueError):
+        RooflinePredictor(Device(flops=1e12, bandwidth=1e12), m, tensor_parallel=2)  # no interconnect
 
 
 def test_command_line_run_compare_and_replay(tmp_path):
