@@ -15,6 +15,13 @@ without the hub lay them out as a Hugging Face cache under --vidur-cache
 `{all_reduce,send_recv}.csv.xz`) and name the datasets with --vidur-compute-dataset and
 --vidur-network-dataset. Vidur trains its predictor on first use and caches it there, so the
 first Vidur run of a configuration includes training; --vidur-runs 2 times a warm one too.
+Its random forest's default grid search (27 settings x 10 folds per operator) takes hours on 2
+cores; flags after `--` go to Vidur, e.g. a one-setting grid:
+`-- --random_forrest_execution_time_predictor_config_num_estimators 250
+--random_forrest_execution_time_predictor_config_max_depth 16
+--random_forrest_execution_time_predictor_config_min_samples_split 2
+--random_forrest_execution_time_predictor_config_k_fold_cv_splits 2`. The simulation itself reads
+a table of predictions computed once before it starts, whatever the grid.
 
     python benchmarks/bench_sim_scale.py                    # the case: 7B on 16 H100s
     python benchmarks/bench_sim_scale.py --hardware a100 --model-shape llama-2-70b --tp-size 2 \\
@@ -68,7 +75,8 @@ def run_loom(args, out: Path) -> dict:
         raise SystemExit(f"loom's simulator failed:\n{result['output'][-3000:]}")
     s = json.loads((out / "summary.json").read_text())
     result["simulated"] = {"output_tok_s": s["output_tok_s"], "ttft_p50_s": s["ttft_s"]["p50"],
-                           "e2e_p50_s": s["e2e_s"]["p50"], "simulated_s": s["simulated_s"]}
+                           "e2e_p50_s": s["e2e_s"]["p50"], "simulated_s": s["simulated_s"], "steps": s["steps"],
+                           "preemptions": s["preemptions"]}
     return result
 
 
@@ -95,11 +103,13 @@ def run_vidur(args, out: Path) -> dict:
            "--uniform_request_length_generator_config_seed", str(args.seed),
            "--execution_time_predictor_config_type", "random_forrest",
            f"--{predictor}_cache_dir", str(args.vidur_cache),
-           "--metrics_config_output_dir", str(out)]
+           "--metrics_config_output_dir", str(out),
+           "--no-metrics_config_store_plots"]  # (its PNGs go through kaleido, which wants Chrome)
     if args.vidur_compute_dataset:
         cmd += [f"--{predictor}_model_profiling_dataset", args.vidur_compute_dataset]
     if args.vidur_network_dataset:
         cmd += [f"--{predictor}_network_profiling_dataset", args.vidur_network_dataset]
+    cmd += args.vidur_args
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     result = timed(cmd, env=env, cwd=out)
     if result["returncode"] != 0:
@@ -153,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vidur-runs", type=int, default=2,
                    help="Vidur runs (the first trains and caches its predictor; default 2)")
     p.add_argument("--json", type=Path)
+    p.add_argument("vidur_args", nargs="*", help="more Vidur flags, after --")
     args = p.parse_args(argv)
     if args.vidur_python and not args.vidur_cache:
         p.error("--vidur-python needs --vidur-cache")

@@ -119,3 +119,22 @@ def with_tokenizer(checkpoint: Path, tokenizer_dir: Path) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, checkpoint / f.name)
     return checkpoint
+
+
+PARALLEL_GREEDY = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+
+def parallel_outputs(model_path, prompts, alone: int = 8, trace_dir: Path | None = None,
+                     **engine_kwargs) -> tuple[list, list, dict]:
+    """Greedy outputs of an Engine with the given parallel layout (tp_size, pp_size, ...): the
+    first `alone` prompts each alone, all in one batch; and each worker's weight bytes. (A step of
+    one row over several ranks costs as much as a batch's: a few prompts alone suffice.)"""
+    from launch import Engine
+
+    with Engine(model_path=str(model_path), dtype="float32", kv_cache_gb=0.3, log_level="warning",
+                step_trace_dir=str(trace_dir) if trace_dir else None, **engine_kwargs) as engine:
+        each = [engine.generate(input_ids=p, sampling_params=PARALLEL_GREEDY)["output_ids"] for p in prompts[:alone]]
+        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=PARALLEL_GREEDY)]
+        weights = {name: info["weight_bytes"] for name, info in engine.launcher.ready_info.items()
+                   if name.startswith("worker")}
+    return each, batched, weights

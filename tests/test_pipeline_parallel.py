@@ -10,13 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from inproc import build_tiny_checkpoint, with_tokenizer
+from inproc import build_tiny_checkpoint, parallel_outputs, with_tokenizer
 from scheduler_proc.core import SchedulerConfig, SchedulerCore
 from scheduler_proc.req import Req
 from worker_proc.pipeline_parallel import stage_layers
-
-NEW_TOKENS = 48
-GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
 def test_stages_split_the_layers_contiguously_the_first_ones_taking_the_remainder():
@@ -64,25 +61,12 @@ def _read_trace(path: Path) -> list[dict]:
     return json.loads(path.read_text().rstrip().rstrip(",") + "]")  # (written as it goes: no closing bracket)
 
 
-def _outputs(model_path, prompts, trace_dir: Path | None = None, alone: int = 8, **kwargs) -> tuple[list, list, dict]:
-    """(the first `alone` prompts each alone, all in one batch, each worker's weight bytes)."""
-    from launch import Engine
-
-    with Engine(model_path=str(model_path), dtype="float32", kv_cache_gb=0.3, log_level="warning",
-                step_trace_dir=str(trace_dir) if trace_dir else None, **kwargs) as engine:
-        alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts[:alone]]
-        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
-        weights = {name: info["weight_bytes"] for name, info in engine.launcher.ready_info.items()
-                   if name.startswith("worker")}
-    return alone, batched, weights
-
-
 def test_smollm2_in_two_stages_matches_one_and_both_stages_compute_at_once(chat_prompt_ids, default_model_dir,
                                                                          tmp_path):
     prompts = [list(p) for p in chat_prompt_ids]
     # (two alone: the batch, split into micro-batches, covers the rest; a stage's Python path is slow)
-    ref_alone, ref_batched, ref_weights = _outputs(default_model_dir, prompts, alone=2)
-    alone, batched, weights = _outputs(default_model_dir, prompts, tmp_path, alone=2, pp_size=2)
+    ref_alone, ref_batched, ref_weights = parallel_outputs(default_model_dir, prompts, alone=2)
+    alone, batched, weights = parallel_outputs(default_model_dir, prompts, alone=2, trace_dir=tmp_path, pp_size=2)
     assert alone == ref_alone
     assert batched == ref_batched
     shares = {name: round(b / ref_weights["worker"], 3) for name, b in weights.items()}
@@ -108,8 +92,8 @@ def tiny_qwen3(tmp_path_factory, default_model_dir):
 def test_tiny_model_at_tp2_x_pp2_matches_one_worker(tiny_qwen3):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 5, 41, 12, 64)]
-    ref_alone, ref_batched, _ = _outputs(tiny_qwen3, prompts)
-    alone, batched, weights = _outputs(tiny_qwen3, prompts, tp_size=2, pp_size=2)
+    ref_alone, ref_batched, _ = parallel_outputs(tiny_qwen3, prompts, alone=4)
+    alone, batched, weights = parallel_outputs(tiny_qwen3, prompts, alone=4, tp_size=2, pp_size=2)
     assert alone == ref_alone
     assert sum(a == b for a, b in zip(batched, ref_batched)) >= 7
     assert set(weights) == {"worker_pp0_tp0", "worker_pp0_tp1", "worker_pp1_tp0", "worker_pp1_tp1"}

@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inproc import build_tiny_checkpoint, with_tokenizer
+from inproc import PARALLEL_GREEDY, build_tiny_checkpoint, parallel_outputs, with_tokenizer
 from worker_proc.model_config import ModelConfig
 from worker_proc.tensor_parallel import TPShard, valid_tp_sizes
 
-NEW_TOKENS = 48
-GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
 def _config(heads: int, kv_heads: int, inter: int = 1536, vocab: int = 1000) -> ModelConfig:
@@ -49,19 +47,6 @@ def test_a_size_that_does_not_divide_the_model_is_refused_with_the_sizes_that_wo
 
 # ---- the full server at several sizes --------------------------------------------------------
 
-def _outputs(model_path, prompts, tp_size: int, **kwargs) -> tuple[list, list, dict]:
-    """(each prompt alone, all in one batch, each rank's weight bytes) at `tp_size`."""
-    from launch import Engine
-
-    with Engine(model_path=str(model_path), dtype="float32", tp_size=tp_size, kv_cache_gb=0.3, log_level="warning",
-                **kwargs) as engine:
-        alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
-        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
-        weights = {name: info["weight_bytes"] for name, info in engine.launcher.ready_info.items()
-                   if name.startswith("worker")}
-    return alone, batched, weights
-
-
 TINY_CASES = [("qwen3", 2), ("qwen3", 4), ("qwen2", 2), ("llama", 4)]
 
 
@@ -76,16 +61,16 @@ def tiny_models(tmp_path_factory, default_model_dir):
         models[arch] = with_tokenizer(path, default_model_dir)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 5, 41, 12, 64)]
-    reference = {arch: _outputs(path, prompts, 1) for arch, path in models.items()}
+    reference = {arch: parallel_outputs(path, prompts, alone=4) for arch, path in models.items()}
     return models, prompts, reference
 
 
 @pytest.mark.parametrize("arch,tp_size", TINY_CASES, ids=[f"{a}-tp{n}" for a, n in TINY_CASES])
 def test_tiny_models_give_the_same_greedy_outputs_at_every_size(tiny_models, arch, tp_size):
     models, prompts, reference = tiny_models
-    alone, batched, weights = _outputs(models[arch], prompts, tp_size)
+    alone, batched, weights = parallel_outputs(models[arch], prompts, alone=4, tp_size=tp_size)
     ref_alone, ref_batched, ref_weights = reference[arch]
-    assert alone == ref_alone  # all 8, 48 tokens each
+    assert alone == ref_alone  # 48 tokens each
     assert sum(a == b for a, b in zip(batched, ref_batched)) >= 7
     assert len(weights) == tp_size
     assert all(rank_bytes < ref_weights["worker"] for rank_bytes in weights.values())
@@ -97,8 +82,8 @@ def chat_ids(chat_prompt_ids):
 
 
 def test_smollm2_at_three_ranks_matches_one_rank(chat_ids, default_model_dir):
-    ref_alone, ref_batched, ref_weights = _outputs(default_model_dir, chat_ids, 1)
-    alone, batched, weights = _outputs(default_model_dir, chat_ids, 3)
+    ref_alone, ref_batched, ref_weights = parallel_outputs(default_model_dir, chat_ids, alone=3)
+    alone, batched, weights = parallel_outputs(default_model_dir, chat_ids, alone=3, tp_size=3)
     assert alone == ref_alone
     assert sum(a == b for a, b in zip(batched, ref_batched)) >= 7
     total = ref_weights["worker"]
@@ -122,9 +107,9 @@ def test_quantized_smollm2_at_three_ranks_agrees_with_one_rank(chat_ids, default
     for tp_size in (1, 3):
         with Engine(dtype="float32", tp_size=tp_size, kv_cache_gb=0.3, quantization=quantization,
                     log_level="warning") as engine:
-            outs[tp_size] = [o["output_ids"] for o in engine.generate(input_ids=chat_ids, sampling_params=GREEDY)]
+            outs[tp_size] = [o["output_ids"] for o in engine.generate(input_ids=chat_ids, sampling_params=PARALLEL_GREEDY)]
     agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(outs[1], outs[3])]
-    print(f"{quantization}: --tp-size 3 follows --tp-size 1's greedy tokens for {agree} of {NEW_TOKENS}")
+    print(f"{quantization}: --tp-size 3 follows --tp-size 1's greedy tokens for {agree} of {PARALLEL_GREEDY['max_new_tokens']}")
     assert sum(n >= 1 for n in agree) >= 7 and sum(n >= 4 for n in agree) >= 4
 
 
