@@ -44,8 +44,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root and `benchm
 from benchmarks.common import (Request, add_repo_to_path, default_result_path, embedded_gguf,  # noqa: E402
                                fixed_length_requests, format_table, gguf_format, llama_cpp_installed, num_cores,
                                write_json)
-from benchmarks.probes import (PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs, header_lines, load_loom_gemv,
-                               probe_gemm, probe_gemv, probe_machine)  # noqa: E402
+from benchmarks.probes import (GEMV_WORKING_SET, PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs,  # noqa: E402
+                               header_lines, load_loom_gemv, probe_gemm, probe_gemv, probe_machine)
 
 add_repo_to_path()
 
@@ -84,6 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed pass of each batch size (prompt + 2 tokens) before its timed one")
     p.add_argument("--no-probe", action="store_true", help="skip the GEMM/GEMV probes (no roofline figures)")
+    p.add_argument("--probe-working-set-mb", type=int, default=GEMV_WORKING_SET >> 20,
+                   help="MiB the GEMV probe cycles over (default: 4x the last-level cache, at least 256)")
     p.add_argument("--probe-once", action="store_true",
                    help="rooflines from the start-up probe only (default: each batch size also probes its "
                         "dtype's GEMM and GEMV right before and after its timed steps and takes the mean)")
@@ -343,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda":  # the CPU's probes say nothing of a GPU: its bandwidth is given
         args.no_probe = True
-    machine = describe_machine() if args.no_probe else probe_machine(PROBE_DTYPES)
+    working_set = args.probe_working_set_mb << 20
+    machine = describe_machine() if args.no_probe else probe_machine(PROBE_DTYPES, gemv_working_set=working_set)
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
         if args.hbm_gbps:
@@ -379,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         def paired_probe() -> tuple[float, float]:
             with torch.inference_mode():
-                return probe_gemv(dtype_name, loom_gemv)["best_gbs"], probe_gemm(dtype_name)["gflops"]
+                return (probe_gemv(dtype_name, loom_gemv, working_set=working_set)["best_gbs"],
+                        probe_gemm(dtype_name)["gflops"])
     rows: list[dict[str, Any]] = []
     warmup_steps = 0 if args.no_warmup else 2
     with tqdm(total=len(args.batch_sizes) * (warmup_steps + args.output_len), unit="step") as bar:

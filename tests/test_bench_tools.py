@@ -152,7 +152,8 @@ def test_one_batch_rooflines_come_from_probes_paired_with_each_batch(default_mod
     from benchmarks import bench_one_batch
 
     result = bench_one_batch.main(["--batch-sizes", "1,2", "--input-len", "8", "--output-len", "3", "--dtype",
-                                   "float32", "--no-plot", "--json", str(tmp_path / "one_batch.json")])
+                                   "float32", "--no-plot", "--probe-working-set-mb", "64",
+                                   "--json", str(tmp_path / "one_batch.json")])
     weights = result["model"]["weight_bytes"]
     assert result["rooflines"]["paired_probes"]
     for row in result["results"]:
