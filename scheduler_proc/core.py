@@ -319,7 +319,8 @@ class SchedulerCore:
         if cfg.enable_priority_scheduling:
             apply_priority(self.waiting)
         computing = [r for r in self.running if r.num_pending > 1] if self.cache is not None else []
-        candidates = deque(r for r in self.waiting if not (computing and self._held(r, computing)))
+        candidates = deque(r for r in self.waiting if not self._held(r, computing)) if computing \
+            else self.waiting.copy()  # (a C-level copy: the queue can be thousands long under overload)
 
         def admit(req: Req, n: int) -> bool:
             """Takes the request's cached prefix (re-checking the budget: those slots no longer

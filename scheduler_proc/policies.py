@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from operator import attrgetter
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from scheduler_proc.registry import Registry
@@ -27,6 +28,9 @@ class QueuePolicy:
         """Reorder `waiting` in place."""
 
 
+BY_ARRIVAL = attrgetter("arrival")  # (C-level: called for every waiting request every step)
+
+
 def _resort(waiting: deque["Req"], key) -> None:
     items = sorted(waiting, key=key)
     waiting.clear()
@@ -38,7 +42,7 @@ class FirstComeFirstServed(QueuePolicy):
     """Arrival order. A retracted request keeps its arrival time, so it goes back to the front."""
 
     def order(self, waiting, running, match=None):
-        _resort(waiting, lambda r: r.arrival)
+        _resort(waiting, BY_ARRIVAL)
 
 
 @QUEUE_POLICIES.register("lpm")
@@ -52,7 +56,7 @@ class LongestPrefixMatch(QueuePolicy):
 
     def order(self, waiting, running, match=None):
         if match is None or len(waiting) > self.LPM_MAX_WAITING:
-            _resort(waiting, lambda r: r.arrival)
+            _resort(waiting, BY_ARRIVAL)
             return
         _resort(waiting, lambda r: (-len(match(r)[0]), r.arrival))
 
@@ -65,7 +69,7 @@ class DfsWeight(QueuePolicy):
 
     def order(self, waiting, running, match=None):
         if match is None:
-            _resort(waiting, lambda r: r.arrival)
+            _resort(waiting, BY_ARRIVAL)
             return
         at_node: dict[int, list] = {}
         weight: dict[int, int] = {}
