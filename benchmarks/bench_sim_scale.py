@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -56,10 +55,9 @@ def timed(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> d
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    _, status, usage = os.wait4(proc.pid, 0)  # (the child's own peak RSS, which Popen.wait does not give)
     return {"wall_s": time.perf_counter() - start, "peak_rss_mb": usage.ru_maxrss / 1024,
-            "returncode": proc.returncode, "output": output}
+            "returncode": os.waitstatus_to_exitcode(status), "output": output}
 
 
 def run_loom(args, out: Path) -> dict:
@@ -119,7 +117,8 @@ def run_vidur(args, out: Path) -> dict:
 
 
 def vidur_summary(out: Path) -> dict:
-    """Vidur's request metrics (its CSV) as the same figures loom's summary gives."""
+    """Vidur's request metrics (its CSV) as the figures loom's summary gives: median TTFT and e2e
+    (the CSV holds per-request durations, not arrival and completion times: no throughput)."""
     import csv
     import statistics
 
@@ -132,12 +131,8 @@ def vidur_summary(out: Path) -> dict:
     def column(name):
         return [float(r[name]) for r in rows if r.get(name) not in (None, "")]
 
-    arrived, done, decoded = column("request_arrived_at"), column("request_completed_at"), \
-        column("request_num_decode_tokens")
     ttft, e2e = column("prefill_e2e_time"), column("request_e2e_time")
-    span = max(done) - min(arrived) if done and arrived else 0.0
-    return {"output_tok_s": sum(decoded) / span if span else None,
-            "ttft_p50_s": statistics.median(ttft) if ttft else None,
+    return {"ttft_p50_s": statistics.median(ttft) if ttft else None,
             "e2e_p50_s": statistics.median(e2e) if e2e else None}
 
 
@@ -187,8 +182,6 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append((name, f"{r['wall_s']:.1f}", f"{r['peak_rss_mb']:.0f}",
                      *(f"{s[k] * scale:.4g}" if s.get(k) is not None else "-"
                        for k, scale in (("output_tok_s", 1), ("ttft_p50_s", 1e3), ("e2e_p50_s", 1)))))
-        trained = re.search(r"Training|train", r["output"]) if name.startswith("vidur") else None
-        r["trained_predictor"] = bool(trained)
         r.pop("output")
     print(format_table(["simulator", "wall s", "peak MB", "out tok/s", "TTFT p50 ms", "e2e p50 s"], rows))
     result = {"benchmark": "bench_sim_scale", "cpu": cpu, "case": case,

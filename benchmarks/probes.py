@@ -33,6 +33,8 @@ from benchmarks.common import add_repo_to_path, cpu_info, format_cpu_header  # n
 
 GEMM_SHAPE = (1024, 576, 1536)  # M, K, N: F.linear(x[M, K], w[N, K])
 GEMV_SHAPE = (49152, 576)  # N, K of w: the embedded model's LM head (vocab x hidden)
+
+
 def last_level_cache_bytes() -> int:
     """The largest CPU cache (sysfs), 0 where unknown."""
     sizes = []

@@ -54,7 +54,8 @@ def _add_sim(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-slots", type=int,
                    help="KV token slots per replica (default: --kv-cache-gb over the profiled model's bytes per "
                         "token; on --hardware, 90%% of its memory less the weights)")
-    s.add_argument("--hardware-memory-gb", type=float, default=80.0, help="memory of one device of --hardware (a replica has --tp-size of them)")
+    s.add_argument("--hardware-memory-gb", type=float, default=80.0,
+                   help="memory of one device of --hardware (a replica has --tp-size of them)")
     s.add_argument("--max-context-len", type=int, help="context limit (default: the profiled model's, or 8192)")
     s.add_argument("--pp-stages", type=int, default=1, help="pipeline stages per replica (micro-batches)")
     s.add_argument("--dllm-rounds", type=int, nargs=2, default=(4, 12), metavar=("LOW", "HIGH"),

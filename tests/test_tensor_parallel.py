@@ -11,7 +11,6 @@ from worker_proc.model_config import ModelConfig
 from worker_proc.tensor_parallel import TPShard, valid_tp_sizes
 
 
-
 def _config(heads: int, kv_heads: int, inter: int = 1536, vocab: int = 1000) -> ModelConfig:
     return ModelConfig("LlamaForCausalLM", vocab, 64 * heads, inter, 2, heads, kv_heads, 64, 1e-5, 1e4, None, 512,
                        True, False, False, ())
@@ -107,9 +106,11 @@ def test_quantized_smollm2_at_three_ranks_agrees_with_one_rank(chat_ids, default
     for tp_size in (1, 3):
         with Engine(dtype="float32", tp_size=tp_size, kv_cache_gb=0.3, quantization=quantization,
                     log_level="warning") as engine:
-            outs[tp_size] = [o["output_ids"] for o in engine.generate(input_ids=chat_ids, sampling_params=PARALLEL_GREEDY)]
+            outs[tp_size] = [o["output_ids"]
+                             for o in engine.generate(input_ids=chat_ids, sampling_params=PARALLEL_GREEDY)]
     agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(outs[1], outs[3])]
-    print(f"{quantization}: --tp-size 3 follows --tp-size 1's greedy tokens for {agree} of {PARALLEL_GREEDY['max_new_tokens']}")
+    print(f"{quantization}: --tp-size 3 follows --tp-size 1's greedy tokens for {agree} "
+          f"of {PARALLEL_GREEDY['max_new_tokens']}")
     assert sum(n >= 1 for n in agree) >= 7 and sum(n >= 4 for n in agree) >= 4
 
 
