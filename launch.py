@@ -108,8 +108,10 @@ class ServerArgs:
     kernel_isa: str = _arg("native", "instruction-set level the CPU kernels are compiled for: native (all this "
                                      "CPU has), or a portable level below it (avx512: x86-64-v4, avx2: x86-64-v3, "
                                      "scalar: x86-64)", choices=ISA_LEVELS)
-    quantization: str = _arg("none", "weight-only quantization of the linear layers: int8 (per output row) or "
-                                     "int4 (groups of 32, as GGUF Q4_1)", choices=QUANTIZATIONS)
+    quantization: str = _arg("none", "weight quantization of the linear layers: fp16 (float16 weights; on CPUs "
+                                     "with AVX512-FP16 the products in float16 too, about 2x float32's rate), "
+                                     "int8 (per output row) or int4 (groups of 32, as GGUF Q4_1)",
+                             choices=QUANTIZATIONS)
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     schedule_policy: str = _arg("fcfs", "waiting-queue order (lpm: longest cached prefix first; dfs-weight: the "
                                         "prefix tree depth first, heaviest subtree first)",

@@ -1,5 +1,5 @@
 """Linear layers: dense (the checkpoint's weights in the compute dtype) and weight-only
-quantized (`--quantization int8 | int4`), all computed through `Ops`."""
+quantized (`--quantization fp16 | int8 | int4`), all computed through `Ops`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from worker_proc.ops import INT4_GROUP, Ops, quantize_int4, quantize_int8
 from worker_proc.tensor_parallel import TPGroup
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "fp16", "int8", "int4")
 
 
 class Linear(nn.Module):
@@ -57,6 +57,24 @@ class Int8Linear(nn.Module):
         return [self.qweight, self.scale], self.bias
 
 
+class HalfLinear(nn.Module):
+    """float16 weights: half the bytes of float32 to stream; where the CPU has AVX512-FP16 the
+    products run in float16 too (worker_proc/cpu_kernels/half_linear.cpp)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.out_features = weight.shape[0]
+        self.register_buffer("qweight", ops.pack_half(weight))
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.half_linear(x, self.qweight, self.out_features, self.bias)
+
+    def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        return [self.qweight, torch.tensor([self.out_features])], self.bias
+
+
 class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops):
         super().__init__()
@@ -81,7 +99,7 @@ def quantize_linears(model: nn.Module, scheme: str, tp: TPGroup | None = None) -
     Returns how many were replaced."""
     if scheme == "none":
         return 0
-    cls = {"int8": Int8Linear, "int4": Int4Linear}.get(scheme)
+    cls = {"fp16": HalfLinear, "int8": Int8Linear, "int4": Int4Linear}.get(scheme)
     if cls is None:
         raise ValueError(f"--quantization {scheme!r}: choose one of {', '.join(QUANTIZATIONS)}")
     targets = [(parent, name, child) for parent in model.modules()
@@ -89,6 +107,9 @@ def quantize_linears(model: nn.Module, scheme: str, tp: TPGroup | None = None) -
     for parent, name, child in targets:
         bias = None if child.bias is None else child.bias.detach()
         weight = child.weight.detach()
+        if cls is HalfLinear:
+            setattr(parent, name, HalfLinear(weight, bias, child.ops))
+            continue
         # int4 groups are 32 inputs: a linear with another input size keeps 8 bits
         if cls is Int4Linear and weight.shape[1] % INT4_GROUP == 0:
             setattr(parent, name, Int4Linear(weight, bias, child.ops))

@@ -39,7 +39,7 @@ class RunnerConfig:
     device: str = "cpu"
     kernel_backend: str = "auto"  # auto | torch | cpu
     kernel_isa: str = "native"  # cpu_kernels.ISA_LEVELS: which build of the CPU kernels
-    quantization: str = "none"  # none | int8 | int4
+    quantization: str = "none"  # none | fp16 | int8 | int4
     eos_token_ids: tuple[int, ...] = ()
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     mem_fraction_static: float = 0.88  # on a GPU: its memory for weights and KV pool together

@@ -88,6 +88,20 @@ class Ops:
         packed = self.kernels.pack_dense_f32(weight.contiguous())
         return packed if packed.numel() else None
 
+    def pack_half(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] in float16: pack_half's panels for the kernel, else as it is."""
+        if self.kernels is not None and weight.device.type == "cpu":
+            return self.kernels.pack_half(weight.contiguous())
+        return weight.half().contiguous()
+
+    def half_linear(self, x: torch.Tensor, qweight: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T of pack_half's float16 weights, at any row count (the kernel is a GEMM too)."""
+        if qweight.dim() == 2:  # no kernels: the weight kept [N, K]
+            return F.linear(x, qweight.to(x.dtype), bias)
+        y = self.kernels.linear_half(x, qweight, out_features)
+        return y if bias is None else y.add_(bias)
+
     def pack_int8(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q [N, K] in the layout the int8 kernel streams fastest for activations of `dtype`:
         where those are quantized to int8 (integer dot products), blocks of interleaved weight rows."""

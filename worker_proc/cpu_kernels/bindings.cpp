@@ -34,6 +34,9 @@ static std::vector<std::string> target_macros() {
 #ifdef __AVX512BF16__
   LOOM_NOTE(__AVX512BF16__);
 #endif
+#ifdef __AVX512FP16__
+  LOOM_NOTE(__AVX512FP16__);
+#endif
 #undef LOOM_NOTE
   return defined;
 }
@@ -53,6 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_bf16_dot", &dense_bf16_dot, "whether bfloat16 linears use bf16 dot products (vdpbf16ps)");
   m.def("quantized_int8_activations", &quantized_int8_activations,
         "whether linear_int8 (on pack_int8's layout) and linear_int4 quantize activations of this dtype to int8 per group of 32 (integer dot products)");
+  m.def("pack_half", &pack_half, "weights [N, K] as float16 panels for linear_half");
+  m.def("linear_half", &linear_half, "x @ w.T [M, n] on pack_half's float16 weights, any row count");
+  m.def("half_products", &half_products, "whether linear_half multiplies in float16 (AVX512-FP16) or widens the weights to float32");
   m.def("dequantize_int8", &dequantize_int8, "int8 weights widened to float32 / bfloat16");
   m.def("dequantize_int4", &dequantize_int4, "int4 weights widened to float32 / bfloat16");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");

@@ -28,6 +28,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
 torch::Tensor pack_int8(torch::Tensor w);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
 bool quantized_int8_activations(at::ScalarType dtype);
+// float16 weights (--quantization fp16): pack_half lays W [N, K] out for linear_half, which
+// returns x @ W.T [M, n] in x's dtype.
+torch::Tensor pack_half(torch::Tensor w);
+torch::Tensor linear_half(torch::Tensor x, torch::Tensor packed, int64_t n);
+bool half_products();
 bool dense_bf16_dot();
 int64_t dense_f32_rows();
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype);

@@ -17,14 +17,17 @@
 namespace {
 
 // A linear's weights in the form its Python module keeps them: [w] or [w, packed] dense,
-// [q, scale] int8, [q, scale, min] int4; plus an optional bias.
+// [packed, out_features] float16, [q, scale] int8, [q, scale, min] int4; plus an optional bias.
 struct LinearWeights {
   std::vector<torch::Tensor> tensors;
   std::optional<torch::Tensor> bias;
+  int64_t half_out = 0;  // float16: output features
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
-    if (tensors[0].is_floating_point())
+    if (half_out)
+      y = linear_half(x, tensors[0], half_out);
+    else if (tensors[0].is_floating_point())
       y = linear_dense(x, tensors[0], tensors.size() > 1 ? std::optional<torch::Tensor>(tensors[1]) : std::nullopt);
     else if (tensors.size() == 2)
       y = linear_int8(x, tensors[0], tensors[1]);
@@ -39,8 +42,10 @@ using LinearSpec = std::tuple<std::vector<torch::Tensor>, std::optional<torch::T
 
 LinearWeights from_spec(const LinearSpec& spec) {
   const auto& [tensors, bias] = spec;
-  TORCH_CHECK(!tensors.empty() && tensors.size() <= 3, "a linear is [w], [w, packed], [q, scale] or [q, scale, min]");
-  return {tensors, bias};
+  TORCH_CHECK(!tensors.empty() && tensors.size() <= 3,
+              "a linear is [w], [w, packed], [packed, out_features], [q, scale] or [q, scale, min]");
+  const bool half = tensors[0].scalar_type() == torch::kHalf && tensors[0].dim() == 4;
+  return {tensors, bias, half ? tensors.at(1).item<int64_t>() : 0};
 }
 
 struct Layer {

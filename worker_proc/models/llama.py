@@ -8,6 +8,7 @@ reference implementation so float32 greedy outputs match token for token.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Iterable
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from worker_proc.attention import AttentionBackend
 from worker_proc.huge_pages import pack_on_huge_pages
-from worker_proc.linear import Linear
+from worker_proc.linear import HalfLinear, Linear
 from worker_proc.model_config import ModelConfig
 from worker_proc.ops import Ops
 from worker_proc.tensor_parallel import TPGroup, TPShard
@@ -213,10 +214,13 @@ class CausalLM(nn.Module):
                             attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(),
                             mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec())
         self.layer_stack = stack
-        dense_dtypes = {mod.weight.dtype if isinstance(mod, Linear) else None
-                        for mod in self.modules() if hasattr(mod, "kernel_spec")}
+        linears = [mod for mod in self.modules() if hasattr(mod, "kernel_spec")]
+        dense_dtypes = {mod.weight.dtype if isinstance(mod, Linear) else None for mod in linears}
         dense_dtype = dense_dtypes.pop() if len(dense_dtypes) == 1 else None
-        self.layer_stack_rows = self.ops.dense_rows(dense_dtype) if dense_dtype else self.ops.small_m_rows
+        if all(isinstance(mod, HalfLinear) for mod in linears):  # its kernel takes any row count
+            self.layer_stack_rows = sys.maxsize
+        else:
+            self.layer_stack_rows = self.ops.dense_rows(dense_dtype) if dense_dtype else self.ops.small_m_rows
         return True
 
     def _pack_weights_in_step_order(self) -> None:
