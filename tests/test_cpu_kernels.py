@@ -187,6 +187,30 @@ def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k
                                _int4_reference(x.float(), q4, s4, m4, int8_acts).to(dtype), **scale_tol)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 13, 64])
+@pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (33, 71), (7, 64)])
+def test_half_linear_on_float16_weights(kernel, m, n, k):
+    """linear_half on pack_half's panels (16 columns x input pairs, zero-padded past N and K): the
+    float16 weights times x, partial tiles of rows and panels, an odd K. AVX512-FP16 builds round x
+    to float16 and sum 64 pairs at a time in float16 (error ~1e-3 of |y|); others are float32 sums."""
+    torch.manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k), torch.randn(n, k) * 0.05
+    packed = kernel.pack_half(w)
+    assert packed.dtype == torch.float16 and packed.shape == ((n + 15) // 16, (k + 1) // 2, 16, 2)
+    assert torch.equal(packed[-1, 5, (n - 1) % 16], w[n - 1, 10:12].half())  # panel p, pair j, column c
+    w16 = w.half().double()
+    y = kernel.linear_half(x, packed, n)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    if kernel.half_products():
+        ref = F.linear(x.half().double(), w16)
+        assert ((y - ref).abs().sum() / ref.abs().sum()).item() < 2e-3
+    else:
+        torch.testing.assert_close(y.double(), F.linear(x.double(), w16), atol=1e-4, rtol=1e-5)
+    y16 = kernel.linear_half(x.bfloat16(), packed, n)  # bfloat16 activations: a bfloat16 result
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.float(), F.linear(x.bfloat16().float(), w.half().float()), atol=0.05, rtol=0.02)
+
+
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:
     """x @ W.T for the dequantized int4 W = codes * scale + min. With int8 activations (integer dot
     products) the codes term sees x rounded to int8 per group of 32; the min term sees x itself."""

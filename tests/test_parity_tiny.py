@@ -158,12 +158,12 @@ def test_greedy_matches_hf_chunked_prefill(tiny):
         assert m[:16] == ref[:16], f"{tiny.arch} prompt {i}: loom {m[:16]} != HF {ref[:16]}"
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "int4"])
 def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     """--quantization: the quantized linears (the small-M kernel for decode rows, widened weights
     for prefill rows) compute what the plain model computes with the dequantized weights."""
     from worker_proc import cpu_kernels
-    from worker_proc.linear import Int4Linear, Int8Linear, Linear
+    from worker_proc.linear import HalfLinear, Int4Linear, Int8Linear, Linear
     from worker_proc.model_runner import ModelRunner, RunnerConfig
     from worker_proc.ops import dequantize_int4
 
@@ -175,10 +175,10 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     ref_modules = dict(reference.model.named_modules())
     replaced = 0
     for name, module in quantized.model.named_modules():
-        if isinstance(module, (Int8Linear, Int4Linear)):
+        if isinstance(module, (HalfLinear, Int8Linear, Int4Linear)):
             target = ref_modules[name]
             assert isinstance(target, Linear)
-            w = (module.dequantized(torch.float32) if scheme == "int8" else
+            w = (module.dequantized(torch.float32) if scheme in ("fp16", "int8") else
                  dequantize_int4(module.qweight, module.scale, module.minimum, torch.float32))
             with torch.no_grad():
                 target.weight = torch.nn.Parameter(w)  # unties a tied head: it is quantized apart
@@ -201,12 +201,14 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
         logits[label] = seen
     assert len(logits["quantized"]) == len(logits["reference"])
     kernels = cpu_kernels.load() if quantized.kernel_backend == "cpu" else None
-    int8_acts = kernels is not None and kernels.quantized_int8_activations(torch.float32)
+    rounded_acts = kernels is not None and (kernels.half_products() if scheme == "fp16" else
+                                            scheme != "fp16" and kernels.quantized_int8_activations(torch.float32))
     for step, (a, b) in enumerate(zip(logits["quantized"], logits["reference"])):
-        if int8_acts:
+        if rounded_acts:
             # AVX2 builds quantize float32 activations of few-row linears (decodes, the LM head) to
-            # int8 per 32; the kernels' own tests check that arithmetic exactly, so here only an
-            # error of int8 rounding's size is allowed, up to the first greedy pick that differs
+            # int8 per 32, AVX512-FP16 ones round fp16 linears' activations to float16; the kernels'
+            # own tests check that arithmetic, so here only an error of that rounding's size is
+            # allowed, up to the first greedy pick that differs
             err = ((a - b).abs().max() / b.abs().max()).item()
             assert err < 0.1, f"step {step}: relative error {err:.3f}"
             if not torch.equal(a.argmax(-1), b.argmax(-1)):

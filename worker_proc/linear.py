@@ -64,12 +64,19 @@ class HalfLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: Ops):
         super().__init__()
         self.ops = ops
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.register_buffer("qweight", ops.pack_half(weight))
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.half_linear(x, self.qweight, self.out_features, self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float16 weights [N, K] (from either layout of Ops.pack_half) in `dtype`."""
+        q = self.qweight
+        if q.dim() == 4:  # [P, pairs, 16, 2] -> [P * 16, pairs * 2], less the padding
+            q = q.permute(0, 2, 1, 3).reshape(q.shape[0] * q.shape[2], -1)[: self.out_features, : self.in_features]
+        return q.to(dtype)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         return [self.qweight, torch.tensor([self.out_features])], self.bias
