@@ -39,7 +39,7 @@ constexpr int kTileRows = 2, kTilePanels = 1;
 
 // sums [R][P][32] (lane 2c + e: column c, parity e) -> y rows, columns [0, cols) of each panel.
 template <int R, int P>
-inline void store_sums(const float* sums, int rows, float* y, int64_t y_stride, int64_t cols) {
+[[maybe_unused]] inline void store_sums(const float* sums, int rows, float* y, int64_t y_stride, int64_t cols) {
   for (int r = 0; r < rows; ++r)
     for (int p = 0; p < P; ++p) {
       const float* s = sums + (r * P + p) * kPanelRow;
@@ -49,11 +49,12 @@ inline void store_sums(const float* sums, int rows, float* y, int64_t y_stride, 
 }
 
 #if defined(LOOM_FP16_MATH)
-// R rows of x (float16, row stride x_stride halves) times P panels (panel stride w_stride halves).
+// R rows of x (float16, row stride x_stride halves) times P panels (panel stride w_stride halves)
+// -> y, columns [0, cols) of the P panels.
 template <int R, int P>
-// sums: 64-byte aligned.
-void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* sums) {
-  std::fill(sums, sums + R * P * kPanelRow, 0.f);
+void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* y,
+          int64_t y_stride, int64_t cols) {
+  alignas(64) float sums[R * P * kPanelRow];
   for (int64_t j0 = 0; j0 < pairs; j0 += kSpan) {
     const int64_t j1 = std::min(pairs, j0 + kSpan);
     __m512h acc[R][P];
@@ -70,15 +71,30 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stri
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) {
+      for (int p = 0; p < P; ++p) {  // widen the span's float16 sums into float32
         const __m512i bits = _mm512_castph_si512(acc[r][p]);
         float* s = sums + (r * P + p) * kPanelRow;
-        const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
-        const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
-        _mm512_store_ps(s, _mm512_add_ps(_mm512_load_ps(s), lo));
-        _mm512_store_ps(s + 16, _mm512_add_ps(_mm512_load_ps(s + 16), hi));
+        __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+        __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+        if (j0 > 0) {
+          lo = _mm512_add_ps(_mm512_load_ps(s), lo);
+          hi = _mm512_add_ps(_mm512_load_ps(s + 16), hi);
+        }
+        _mm512_store_ps(s, lo);
+        _mm512_store_ps(s + 16, hi);
       }
   }
+  // lanes (column, parity) -> columns: even lanes plus odd lanes
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) {
+      const float* s = sums + (r * P + p) * kPanelRow;
+      const __m512 a = _mm512_load_ps(s), b = _mm512_load_ps(s + 16);
+      const __m512 col = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+      const int64_t width = std::min<int64_t>(kCols, cols - p * kCols);
+      _mm512_mask_storeu_ps(y + r * y_stride + p * kCols, static_cast<__mmask16>((1u << width) - 1), col);
+    }
 }
 using XElem = uint16_t;
 #else
@@ -104,7 +120,7 @@ inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 constexpr int kVecs = kPanelRow / kLanes;  // vectors per pair-row of a panel
 
 template <int R, int P>
-void tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* sums) {
+void tile_sums(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* sums) {
   Vec acc[R][P][kVecs];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
@@ -125,7 +141,7 @@ void tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
 }
 #else
 template <int R, int P>
-void tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* sums) {
+void tile_sums(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* sums) {
   std::fill(sums, sums + R * P * kPanelRow, 0.f);
   for (int64_t j = 0; j < pairs; ++j)
     for (int p = 0; p < P; ++p) {
@@ -137,6 +153,14 @@ void tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
 }
 #endif
 using XElem = float;
+
+template <int R, int P>
+void tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* y,
+          int64_t y_stride, int64_t cols) {
+  alignas(64) float sums[R * P * kPanelRow];
+  tile_sums<R, P>(x, x_stride, w, w_stride, pairs, sums);
+  store_sums<R, P>(sums, R, y, y_stride, cols);
+}
 #endif
 
 // One tile of `rows` <= R rows and `panels` <= P panels (the instantiation that fits it exactly).
@@ -149,9 +173,7 @@ void run_tile(int rows, int panels, const XElem* x, int64_t x_stride, const uint
   if constexpr (P > 1) {
     if (panels < P) return run_tile<R, P - 1>(rows, panels, x, x_stride, w, w_stride, pairs, y, y_stride, cols);
   }
-  alignas(64) float sums[R * P * kPanelRow];
-  tile<R, P>(x, x_stride, w, w_stride, pairs, sums);
-  store_sums<R, P>(sums, R, y, y_stride, cols);
+  tile<R, P>(x, x_stride, w, w_stride, pairs, y, y_stride, cols);
 }
 
 }  // namespace
