@@ -95,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-baseline", action="store_true",
                    help="also time HF transformers `generate` at batch 1 on the same prompt and lengths, at "
                         "its best dtype on this CPU (--hf-dtype), for the batch-1 ratio")
-    p.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="HF baseline dtype; auto times both like loom's probe (default: %(default)s)")
     p.add_argument("--llamacpp-baseline", action="store_true",
                    help="also time llama.cpp (llama-cpp-python) at batch 1 on the same prompt and lengths, on the "
