@@ -192,7 +192,7 @@ def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k
 def test_half_linear_on_float16_weights(kernel, m, n, k):
     """linear_half on pack_half's panels (16 columns x input pairs, zero-padded past N and K): the
     float16 weights times x, partial tiles of rows and panels, an odd K. AVX512-FP16 builds round x
-    to float16 and sum 64 pairs at a time in float16 (error ~1e-3 of |y|); others are float32 sums."""
+    to float16 and sum 128 pairs at a time in float16 (error ~1.6e-3 of |y|); others are float32 sums."""
     torch.manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k), torch.randn(n, k) * 0.05
     packed = kernel.pack_half(w)
@@ -203,7 +203,7 @@ def test_half_linear_on_float16_weights(kernel, m, n, k):
     assert y.dtype == torch.float32 and y.shape == (m, n)
     if kernel.half_products():
         ref = F.linear(x.half().double(), w16)
-        assert ((y - ref).abs().sum() / ref.abs().sum()).item() < 2e-3
+        assert ((y - ref).abs().sum() / ref.abs().sum()).item() < 2.5e-3  # a bfloat16 linear: 2.8e-3
     else:
         torch.testing.assert_close(y.double(), F.linear(x.double(), w16), atol=1e-4, rtol=1e-5)
     y16 = kernel.linear_half(x.bfloat16(), packed, n)  # bfloat16 activations: a bfloat16 result
