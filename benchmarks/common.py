@@ -225,7 +225,8 @@ def add_vllm_args(parser) -> None:
     parser.add_argument("--vllm-python", default=default_vllm_python(),
                         help=f"python of vLLM's own environment (default: $LOOM_VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
     parser.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                        help="vLLM's dtype (default: %(default)s; on CPUs without AMX float32 beats bfloat16, and float16 beats both where the CPU has AVX512-FP16)")
+                        help="vLLM's dtype (default: %(default)s; on CPUs without AMX float32 beats bfloat16, "
+                             "and float16 beats both where the CPU has AVX512-FP16)")
     parser.add_argument("--vllm-omp-threads-bind", default=default_omp_bind(),
                         help="cores for vLLM's compute threads, its VLLM_CPU_OMP_THREADS_BIND (default: every core, "
                              "%(default)s)")

@@ -4,6 +4,8 @@ int4 against their dequantized weights). `kernel` (conftest) is each build this 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -209,6 +211,23 @@ def test_half_linear_on_float16_weights(kernel, m, n, k):
     y16 = kernel.linear_half(x.bfloat16(), packed, n)  # bfloat16 activations: a bfloat16 result
     assert y16.dtype == torch.bfloat16
     torch.testing.assert_close(y16.float(), F.linear(x.bfloat16().float(), w.half().float()), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+def test_half_linear_module_takes_the_kernel_where_it_pays(kernel, rows):
+    """HalfLinear through Ops: the kernel for every row count where it multiplies in float16, for
+    up to small_m_rows elsewhere (more rows widen the weights once for torch's GEMM); the same
+    product either way, and the layout unpacks to the float16 weights."""
+    from worker_proc.linear import HalfLinear
+
+    torch.manual_seed(rows)
+    w, x = torch.randn(45, 200) * 0.05, torch.randn(rows, 200)
+    ops = Ops(kernel, small_m_rows=8)
+    linear = HalfLinear(w, None, ops)
+    assert torch.equal(linear.dequantized(torch.float32), w.half().float())
+    assert ops.half_rows == (sys.maxsize if kernel.half_products() else 8)
+    ref = F.linear(x.double(), w.half().double())
+    assert ((linear(x) - ref).abs().sum() / ref.abs().sum()).item() < 2.5e-3
 
 
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_proc.ops import INT4_GROUP, Ops, quantize_int4, quantize_int8
+from worker_proc.ops import INT4_GROUP, Ops, quantize_int4, quantize_int8, unpack_half
 from worker_proc.tensor_parallel import TPGroup
 
 QUANTIZATIONS = ("none", "fp16", "int8", "int4")
@@ -72,11 +72,8 @@ class HalfLinear(nn.Module):
         return self.ops.half_linear(x, self.qweight, self.out_features, self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float16 weights [N, K] (from either layout of Ops.pack_half) in `dtype`."""
-        q = self.qweight
-        if q.dim() == 4:  # [P, pairs, 16, 2] -> [P * 16, pairs * 2], less the padding
-            q = q.permute(0, 2, 1, 3).reshape(q.shape[0] * q.shape[2], -1)[: self.out_features, : self.in_features]
-        return q.to(dtype)
+        """The float16 weights [N, K] in `dtype`."""
+        return unpack_half(self.qweight, self.out_features, self.in_features).to(dtype)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         return [self.qweight, torch.tensor([self.out_features])], self.bias

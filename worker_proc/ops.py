@@ -9,6 +9,8 @@ dense ones take loom's kernels up to Ops.dense_rows (more rows on some builds); 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -94,13 +96,22 @@ class Ops:
             return self.kernels.pack_half(weight.contiguous())
         return weight.half().contiguous()
 
+    @property
+    def half_rows(self) -> int:
+        """Rows of x up to which float16 linears take the kernel: any number where it multiplies in
+        float16; else a few (it widens the weights to float32 per row tile, slower than widening
+        them once for the GEMM when rows are many: 0.4-0.7x at 32 rows on AVX2 / AVX-512 builds)."""
+        if self.kernels is not None and self.kernels.half_products():
+            return sys.maxsize
+        return self.small_m_rows
+
     def half_linear(self, x: torch.Tensor, qweight: torch.Tensor, out_features: int,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T of pack_half's float16 weights, at any row count (the kernel is a GEMM too)."""
-        if qweight.dim() == 2:  # no kernels: the weight kept [N, K]
-            return F.linear(x, qweight.to(x.dtype), bias)
-        y = self.kernels.linear_half(x, qweight, out_features)
-        return y if bias is None else y.add_(bias)
+        """x @ W.T of pack_half's float16 weights."""
+        if qweight.dim() == 4 and self._small(x, self.half_rows):
+            y = self.kernels.linear_half(x, qweight, out_features)
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, unpack_half(qweight, out_features, x.shape[1]).to(x.dtype), bias)
 
     def pack_int8(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q [N, K] in the layout the int8 kernel streams fastest for activations of `dtype`:
@@ -143,6 +154,13 @@ def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) 
     scale = (absmax / 127.0).clamp_min(1e-12)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
+
+
+def unpack_half(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The float16 weights [N, K] from either layout of Ops.pack_half (panels [P, pairs, 16, 2])."""
+    if qweight.dim() == 2:
+        return qweight
+    return qweight.permute(0, 2, 1, 3).reshape(qweight.shape[0] * qweight.shape[2], -1)[:n, :k]
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

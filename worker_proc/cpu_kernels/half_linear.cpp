@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W[N, K]^T with W kept in float16 (`--quantization fp16`): half the bytes of
-// float32 weights to stream at decode, at any row count (one kernel from batch 1 to prefill).
+// float32 weights to stream at decode; on AVX512-FP16 at any row count (batch 1 to prefill).
 //
 // Layout (pack_half): [P = ceil(N / 16), ceil(K / 2), 16, 2] halves, panel p, input pair j,
 // column c, parity e holding W[16 p + c, 2 j + e] (zeros past N and K). One 64-byte row of a panel
@@ -103,7 +103,11 @@ using XElem = uint16_t;
 constexpr int kLanes = 16;
 using Vec = __m512;
 inline Vec widen(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline Vec pair_of(const float* p) { double d; std::memcpy(&d, p, sizeof d); return _mm512_castpd_ps(_mm512_set1_pd(d)); }
+inline Vec pair_of(const float* p) {
+  double d;
+  std::memcpy(&d, p, sizeof d);
+  return _mm512_castpd_ps(_mm512_set1_pd(d));
+}
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }

@@ -8,7 +8,6 @@ reference implementation so float32 greedy outputs match token for token.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Iterable
 
 import torch
@@ -194,7 +193,7 @@ class CausalLM(nn.Module):
     def build_layer_stack(self) -> bool:
         """Hands the weights to the compiled layer stack, which then runs small steps from token
         ids to logits in one call: up to as many tokens as its linears take loom's kernels
-        (more for unquantized weights: Ops.dense_rows). Call after any weight change (loading,
+        (more for unquantized weights: Ops.dense_rows; for float16 ones Ops.half_rows). Call after any weight change (loading,
         quantization). Models with per-head q/k norms keep the Python path."""
         kernels = self.ops.kernels
         # (it runs ids to logits: a pipeline stage's hidden states in and out take the Python path)
@@ -217,8 +216,8 @@ class CausalLM(nn.Module):
         linears = [mod for mod in self.modules() if hasattr(mod, "kernel_spec")]
         dense_dtypes = {mod.weight.dtype if isinstance(mod, Linear) else None for mod in linears}
         dense_dtype = dense_dtypes.pop() if len(dense_dtypes) == 1 else None
-        if all(isinstance(mod, HalfLinear) for mod in linears):  # its kernel takes any row count
-            self.layer_stack_rows = sys.maxsize
+        if all(isinstance(mod, HalfLinear) for mod in linears):
+            self.layer_stack_rows = self.ops.half_rows
         else:
             self.layer_stack_rows = self.ops.dense_rows(dense_dtype) if dense_dtype else self.ops.small_m_rows
         return True
