@@ -193,8 +193,8 @@ class CausalLM(nn.Module):
     def build_layer_stack(self) -> bool:
         """Hands the weights to the compiled layer stack, which then runs small steps from token
         ids to logits in one call: up to as many tokens as its linears take loom's kernels
-        (more for unquantized weights: Ops.dense_rows; for float16 ones Ops.half_rows). Call after any weight change (loading,
-        quantization). Models with per-head q/k norms keep the Python path."""
+        (Ops.dense_rows for unquantized weights, Ops.half_rows for float16 ones). Call after any
+        weight change (loading, quantization). Models with per-head q/k norms keep the Python path."""
         kernels = self.ops.kernels
         # (it runs ids to logits: a pipeline stage's hidden states in and out take the Python path)
         whole = len(self.stage) == self.config.num_layers
@@ -218,8 +218,10 @@ class CausalLM(nn.Module):
         dense_dtype = dense_dtypes.pop() if len(dense_dtypes) == 1 else None
         if all(isinstance(mod, HalfLinear) for mod in linears):
             self.layer_stack_rows = self.ops.half_rows
+        elif dense_dtype:
+            self.layer_stack_rows = self.ops.dense_rows(dense_dtype)
         else:
-            self.layer_stack_rows = self.ops.dense_rows(dense_dtype) if dense_dtype else self.ops.small_m_rows
+            self.layer_stack_rows = self.ops.small_m_rows
         return True
 
     def _pack_weights_in_step_order(self) -> None:
