@@ -48,7 +48,7 @@ PROMPTS = [
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schemes", default="int8,int4", help="comma list of quantization schemes (default: %(default)s)")
+    p.add_argument("--schemes", default="fp16,int8,int4", help="comma list of quantization schemes (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--compare-dtype", default=None, choices=["float32", "bfloat16"],
