@@ -29,6 +29,10 @@ class Ops:
         self.dense_bf16_rows = max(self.small_m_rows, dense_bf16_rows if bf16_dot else 0)
         # float32 x float32 ones up to however many rows the build's kernel beats the GEMM at.
         self.dense_f32_rows = max(self.small_m_rows, kernels.dense_f32_rows() if kernels is not None else 0)
+        # float16 weights (pack_half): any number where the kernel multiplies in float16; else a few
+        # (it widens the weights to float32 per row tile, slower than widening them once for torch's
+        # GEMM when rows are many: 0.4-0.7x at 32 rows on AVX2 / AVX-512 builds).
+        self.half_rows = sys.maxsize if kernels is not None and kernels.half_products() else self.small_m_rows
 
     def dense_rows(self, dtype: torch.dtype) -> int:
         """Rows of x up to which dense linears of `dtype` take loom's kernel."""
@@ -95,15 +99,6 @@ class Ops:
         if self.kernels is not None and weight.device.type == "cpu":
             return self.kernels.pack_half(weight.contiguous())
         return weight.half().contiguous()
-
-    @property
-    def half_rows(self) -> int:
-        """Rows of x up to which float16 linears take the kernel: any number where it multiplies in
-        float16; else a few (it widens the weights to float32 per row tile, slower than widening
-        them once for the GEMM when rows are many: 0.4-0.7x at 32 rows on AVX2 / AVX-512 builds)."""
-        if self.kernels is not None and self.kernels.half_products():
-            return sys.maxsize
-        return self.small_m_rows
 
     def half_linear(self, x: torch.Tensor, qweight: torch.Tensor, out_features: int,
                     bias: torch.Tensor | None) -> torch.Tensor:

@@ -38,17 +38,6 @@ constexpr int kTileRows = 3, kTilePanels = 1;  // 12 accumulators (4 per panel r
 constexpr int kTileRows = 2, kTilePanels = 1;
 #endif
 
-// sums [R][P][32] (lane 2c + e: column c, parity e) -> y rows, columns [0, cols) of each panel.
-template <int R, int P>
-[[maybe_unused]] inline void store_sums(const float* sums, int rows, float* y, int64_t y_stride, int64_t cols) {
-  for (int r = 0; r < rows; ++r)
-    for (int p = 0; p < P; ++p) {
-      const float* s = sums + (r * P + p) * kPanelRow;
-      const int64_t width = std::min<int64_t>(kCols, cols - p * kCols);
-      for (int64_t c = 0; c < width; ++c) y[r * y_stride + p * kCols + c] = s[2 * c] + s[2 * c + 1];
-    }
-}
-
 #if defined(LOOM_FP16_MATH)
 // R rows of x (float16, row stride x_stride halves) times P panels (panel stride w_stride halves)
 // -> y, columns [0, cols) of the P panels.
@@ -159,12 +148,18 @@ void tile_sums(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_st
 #endif
 using XElem = float;
 
+// sums [R][P][32] (lane 2c + e: column c, parity e) -> y rows, columns [0, cols) of each panel.
 template <int R, int P>
 void tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t w_stride, int64_t pairs, float* y,
           int64_t y_stride, int64_t cols) {
   alignas(64) float sums[R * P * kPanelRow];
   tile_sums<R, P>(x, x_stride, w, w_stride, pairs, sums);
-  store_sums<R, P>(sums, R, y, y_stride, cols);
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) {
+      const float* s = sums + (r * P + p) * kPanelRow;
+      const int64_t width = std::min<int64_t>(kCols, cols - p * kCols);
+      for (int64_t c = 0; c < width; ++c) y[r * y_stride + p * kCols + c] = s[2 * c] + s[2 * c + 1];
+    }
 }
 #endif
 
