@@ -34,6 +34,7 @@ from scheduler_proc.prefill_adder import ADMISSION_POLICIES
 from worker_proc.cpu_kernels import ISA_LEVELS
 from worker_proc.dllm_algorithms import DLLM_ALGORITHMS
 from worker_proc.dtype_probe import DTYPES
+from worker_proc.kv_cache import KV_CACHE_DTYPES
 from worker_proc.linear import QUANTIZATIONS
 from worker_proc.model_config import ModelConfig, dllm_block_size, dllm_mask_token_id
 from worker_proc.tensor_parallel import TPShard
@@ -112,6 +113,10 @@ class ServerArgs:
                                      "with AVX512-FP16 the products in float16 too, about 2x float32's rate), "
                                      "int8 (per output row) or int4 (groups of 32, as GGUF Q4_1)",
                              choices=QUANTIZATIONS)
+    kv_cache_dtype: str = _arg("auto", "dtype of the KV cache: auto (the compute dtype; float16 with --quantization "
+                                       "fp16), or a narrower one than the compute dtype: float16 or bfloat16 halve "
+                                       "a float32 cache's memory and the bytes each decode step reads",
+                               choices=("auto", *KV_CACHE_DTYPES))
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     schedule_policy: str = _arg("fcfs", "waiting-queue order (lpm: longest cached prefix first; dfs-weight: the "
                                         "prefix tree depth first, heaviest subtree first)",
@@ -688,7 +693,8 @@ def serve(args: ServerArgs) -> None:
                         args.served_model_name or model_dir.name, args.api_key, args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout + 1, access_log=False)
-        print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens, "
+        print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens "
+              f"in {info['kv_cache_dtype']}, "
               f"kernels {info['kernel_isa']}) on http://{args.host}:{args.port}  zmq: {frontend.address}",
               flush=True)
         server = GracefulServer(config)

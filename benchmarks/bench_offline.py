@@ -72,6 +72,7 @@ add_repo_to_path()
 
 import torch  # noqa: E402
 
+from worker_proc.kv_cache import KV_CACHE_DTYPES  # noqa: E402
 from worker_proc.linear import QUANTIZATIONS  # noqa: E402
 
 QUICK = {"num_requests": 8, "input_min": 16, "input_max": 64, "output_min": 8, "output_max": 32}
@@ -96,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="loom's dtype; auto times both on this CPU (default: %(default)s)")
     lm.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="loom's weight quantization, as launch.py (default: %(default)s)")
+    lm.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES),
+                    help="loom's KV cache dtype, as launch.py (default: %(default)s)")
     lm.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache size, GiB (default: %(default)s)")
     lm.add_argument("--max-running-requests", type=int, default=64,
                     help="requests decoding at once (default: %(default)s)")
@@ -464,12 +467,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      + (f" ({', '.join(vllm_missing)} not found)" if vllm_missing else ""))
 
     engine = Engine(dtype=args.dtype, quantization=args.quantization, model_path=args.model_path,
-                    kv_cache_gb=args.kv_cache_gb,
+                    kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype,
                     max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
                     log_level=args.log_level)
     try:
         tokenizer, model_dir, info = engine.tokenizer, Path(engine.model_dir), engine.server_info
         sides = {"loom": f"{info['dtype']}  ({info.get('dtype_reason', '')}); quantization {args.quantization}; "
+                         f"KV cache {info.get('kv_cache_dtype', info['dtype'])}; "
                          f"{info.get('threads', '?')} worker threads"}
         for b in ("hf", "hf-cb"):
             if b in args.baselines:

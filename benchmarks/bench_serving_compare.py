@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="none")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--port", type=int, default=30700)
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp server side")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM server side")
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.model_dir = ensure_default_model()
     machine = probe_machine()
-    print("\n".join(header_lines(machine, {"loom": f"{args.dtype}, quantization {args.quantization}"}, [])))
+    print("\n".join(header_lines(machine, {"loom": f"{args.dtype}, quantization {args.quantization}, "
+                                                                f"KV cache {args.kv_cache_dtype}"}, [])))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
@@ -101,12 +103,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     from launch import Engine
 
-    with Engine(dtype=args.dtype, quantization=args.quantization, max_running_requests=args.concurrency,
+    with Engine(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                max_running_requests=args.concurrency,
                 log_level="warning") as engine:
         results["loom_offline"] = run_loom(engine, requests)
 
     server = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(args.port), "--zmq-port", "0",
-                               "--dtype", args.dtype, "--quantization", args.quantization, "--max-running-requests",
+                               "--dtype", args.dtype, "--quantization", args.quantization,
+                               "--kv-cache-dtype", args.kv_cache_dtype, "--max-running-requests",
                                str(args.concurrency), "--log-level", "warning"], cwd=str(ROOT))
     try:
         wait_healthy(server, f"http://127.0.0.1:{args.port}/health", "loom server")

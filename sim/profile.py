@@ -50,7 +50,8 @@ def build_runner(args: dict):
     model_dir = resolve_model_path(args["model_path"])
     runner = ModelRunner(RunnerConfig(str(model_dir), dtype, args["kv_cache_gb"], max(args["max_running_requests"], 65),
                                       context_length=args.get("context_length"), kernel_backend=args["kernel_backend"],
-                                      kernel_isa=args["kernel_isa"], quantization=args["quantization"]))
+                                      kernel_isa=args["kernel_isa"], quantization=args["quantization"],
+                                      kv_cache_dtype=args.get("kv_cache_dtype", "auto")))
     return runner, dtype, why, model_dir
 
 
@@ -193,7 +194,7 @@ def live_meta(info: dict) -> dict:
     model = ModelConfig.from_dir(info["model_path"])
     return {"dtype": info["dtype"], "model_dir": info["model_path"], "context_len": info["max_context_len"],
             "kv_bytes_per_token": KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                                         getattr(torch, info["dtype"]))}
+                                                         getattr(torch, info.get("kv_cache_dtype", info["dtype"])))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                  "model_dir": str(model_dir), "kernel_isa": runner.kernel_isa,
                  "kernel_backend": runner.kernel_backend, "quantization": server["quantization"],
                  "kv_bytes_per_token": KVPool.bytes_per_token(runner.config.num_layers, runner.shard.num_kv_heads,
-                                                              runner.config.head_dim, dtype),
+                                                              runner.config.head_dim, runner.kv_dtype),
                  "context_len": runner.context_len}
     meta |= {"steps": len(seconds), "profile_s": time.perf_counter() - t0}
     model = FittedPredictor.fit(shapes, seconds, meta)

@@ -85,6 +85,31 @@ def test_few_decode_rows_split_across_threads_match_reference(kernel, dtype, tol
         _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol)
 
 
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [(torch.float32, torch.float16, 1e-5), (torch.float32, torch.bfloat16, 1e-5),
+                                              (torch.bfloat16, torch.float16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16), (3, 1, 18)])
+def test_paged_attention_over_a_narrower_pool(kernel, dtype, kv_dtype, tol, heads, kv_heads, head_dim):
+    """--kv-cache-dtype: q in the model's dtype, K/V read from a 16-bit pool; every row kind (split
+    decodes included) computes as over the pool's values in float32."""
+    torch.manual_seed(2)
+    slots, reqs, ctx = 3000, 6, 900
+    kv = torch.randn(slots, 2, kv_heads, head_dim).to(kv_dtype)
+    req_to_token = torch.randint(1, slots, (reqs, ctx), dtype=torch.int32)
+    req_idx = torch.tensor([4, 0, 2, 5])
+    extend_lens = torch.tensor([1, 33, 1, 7])
+    prefix_lens = torch.tensor([899, 0, 64, 300])
+    token_starts = torch.cumsum(extend_lens, 0) - extend_lens
+    q = torch.randn(int(extend_lens.sum()), heads, head_dim).to(dtype)
+    for rows in ([0], [0, 1, 2, 3]):  # one long decode alone: split across the threads
+        r = torch.tensor(rows)
+        starts = torch.cumsum(extend_lens[r], 0) - extend_lens[r]
+        q_rows = torch.cat([q[token_starts[i] : token_starts[i] + extend_lens[i]] for i in rows])
+        out = kernel.paged_attention(q_rows, kv, req_to_token, req_idx[r], starts, extend_lens[r],
+                                     prefix_lens[r] + extend_lens[r], head_dim**-0.5)
+        assert out.dtype == dtype
+        _check_against_sdpa(kv, req_to_token, req_idx[r], q_rows, out, starts, extend_lens[r], prefix_lens[r], tol)
+
+
 def _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol):
     seq_lens = prefix_lens + extend_lens
     for r in range(len(req_idx)):
@@ -311,3 +336,19 @@ def test_store_kv_from_fused_rows_matches_index_copy(kernel, dtype, slot_dtype):
     torch.testing.assert_close(got, kernel.paged_attention(q.contiguous(), kv, req_to_token, *lens, head_dim**-0.5))
     with pytest.raises(RuntimeError, match="slot out of the pool"):
         kernel.store_kv(kv, torch.tensor([0, 1, 2, 3, 11], dtype=slot_dtype), k, v)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.float16)])
+def test_store_kv_rounds_rows_into_a_narrower_pool(kernel, dtype, kv_dtype):
+    """Rows of the model's dtype become the pool's, rounded to nearest as torch's .to() rounds (32
+    dims: the vector body; 18: its tail too)."""
+    for head_dim in (32, 18):
+        k, v = torch.randn(7, 3, head_dim).to(dtype) * 30, torch.randn(7, 3, head_dim).to(dtype)
+        kv, want = torch.zeros(9, 2, 3, head_dim, dtype=kv_dtype), torch.zeros(9, 2, 3, head_dim, dtype=kv_dtype)
+        slots = torch.tensor([8, 1, 5, 2, 7, 3, 6])
+        kernel.store_kv(kv, slots, k, v)
+        want.view(9, -1).index_copy_(0, slots, torch.cat((k, v), dim=1).view(7, -1).to(kv_dtype))
+        assert torch.equal(kv, want)
+    with pytest.raises(RuntimeError, match="store_kv"):  # a wider pool than the rows: refused
+        kernel.store_kv(torch.zeros(9, 2, 3, 32), slots, k.half(), v.half())

@@ -36,7 +36,8 @@ class AttentionBackend(Protocol):
 def store_kv(pool: KVPool, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Writes this step's K and V rows to their slots ([S, 2, KVH, Dh]: K then V per slot)."""
     kv = pool.kv[layer_id]
-    kv.view(kv.shape[0], -1).index_copy_(0, out_cache_loc, torch.cat((k, v), dim=1).view(len(k), -1))
+    rows = torch.cat((k, v), dim=1).view(len(k), -1)
+    kv.view(kv.shape[0], -1).index_copy_(0, out_cache_loc, rows.to(kv.dtype))
 
 
 class PagedKernelAttention:
@@ -125,7 +126,7 @@ class TorchAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if n:
             q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]
-            gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:])
+            gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:]).to(q.dtype)
             o = self._decode_attention(q_d, gathered)  # gathered: [D, L, 2, KVH, Dh]
             if b.decode_is_prefix:
                 out[:n] = o
@@ -138,7 +139,7 @@ class TorchAttention:
                 v_e = v[start : start + length].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                full = kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:])  # [P+L, 2, KVH, Dh]
+                full = kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:]).to(q.dtype)  # [P+L, 2, KVH, Dh]
                 k_e = full[:, 0].transpose(0, 1).unsqueeze(0)
                 v_e = full[:, 1].transpose(0, 1).unsqueeze(0)
                 cols = torch.arange(prefix + length, device=q.device)

@@ -9,6 +9,28 @@ import torch
 from worker_proc.huge_pages import zeros_tensor_on_huge_pages
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# (compute dtype, pool dtype) pairs the attention backends read: the compute dtype itself, or a
+# narrower pool (K and V are computed in the compute dtype: a wider pool would hold the same values)
+_POOL_PAIRS = {(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16)}
+
+
+def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, quantization: str = "none") -> torch.dtype:
+    """`--kv-cache-dtype`: auto stores K and V in the compute dtype, or in float16 with
+    `--quantization fp16` (half the bytes a decode step reads per cached token)."""
+    if name == "auto":
+        return torch.float16 if quantization == "fp16" and compute_dtype in (torch.float32, torch.bfloat16) \
+            else compute_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r}: choose auto, {', '.join(KV_CACHE_DTYPES)}")
+    chosen = KV_CACHE_DTYPES[name]
+    if chosen != compute_dtype and (compute_dtype, chosen) not in _POOL_PAIRS:
+        compute = str(compute_dtype).removeprefix("torch.")
+        raise ValueError(f"--kv-cache-dtype {name} with compute dtype {compute}: the KV cache takes the compute "
+                         f"dtype or a narrower one (float32 compute: bfloat16 or float16; bfloat16: float16)")
+    return chosen
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, max_reqs: int, max_context_len: int, device: str = "cpu"):

@@ -15,7 +15,7 @@ from worker_proc import cpu_kernels
 from worker_proc.attention import PagedKernelAttention, TorchAttention
 from worker_proc.forward_batch import ForwardBatch, HostStaging
 from worker_proc.future_map import FutureMap
-from worker_proc.kv_cache import KVPool
+from worker_proc.kv_cache import KVPool, resolve_kv_dtype
 from worker_proc.linear import pack_dense_weights, quantize_linears
 from worker_proc.model_config import ModelConfig, dllm_block_size, dllm_mask_token_id
 from worker_proc.model_loader import iter_checkpoint_tensors
@@ -40,6 +40,7 @@ class RunnerConfig:
     kernel_backend: str = "auto"  # auto | torch | cpu
     kernel_isa: str = "native"  # cpu_kernels.ISA_LEVELS: which build of the CPU kernels
     quantization: str = "none"  # none | fp16 | int8 | int4
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (kv_cache.resolve_kv_dtype)
     eos_token_ids: tuple[int, ...] = ()
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     mem_fraction_static: float = 0.88  # on a GPU: its memory for weights and KV pool together
@@ -164,12 +165,13 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size()
                                 for t in {id(t): t for t in (*self.model.parameters(), *self.model.buffers())
                                           if t is not None}.values())
+        self.kv_dtype = resolve_kv_dtype(rc.kv_cache_dtype, rc.dtype, rc.quantization)
         if self.on_gpu:
-            self.num_slots = plan_kv_slots_gpu(self.config, rc.dtype, rc.mem_fraction_static, shard, rc.device)
+            self.num_slots = plan_kv_slots_gpu(self.config, self.kv_dtype, rc.mem_fraction_static, shard, rc.device)
         else:
-            self.num_slots = plan_kv_slots(self.config, rc.dtype, rc.kv_cache_gb, shard, len(stage), pp.size)
+            self.num_slots = plan_kv_slots(self.config, self.kv_dtype, rc.kv_cache_gb, shard, len(stage), pp.size)
         self.pool = KVPool(len(stage), self.num_slots, shard.num_kv_heads, self.config.head_dim,
-                           rc.dtype, rc.max_running_requests, self.context_len, rc.device)
+                           self.kv_dtype, rc.max_running_requests, self.context_len, rc.device)
         self.attention_backend = resolve_attention_backend(rc.attention_backend, rc.device, kernels)
         if rc.deterministic and not (self.on_gpu and self.attention_backend == "triton"):
             raise ValueError("--enable-deterministic-inference: the batch-invariant kernels are the GPU's "

@@ -57,6 +57,7 @@ def main(config: ChildConfig, report_ready) -> None:
             max_running_requests=args["max_running_requests"], context_length=args.get("context_length"),
             device=args["device"], kernel_backend=args["kernel_backend"],
             kernel_isa=args["kernel_isa"], quantization=args["quantization"],
+            kv_cache_dtype=args["kv_cache_dtype"],
             eos_token_ids=tuple(args.get("eos_token_ids") or ()), attention_backend=args["attention_backend"],
             mem_fraction_static=args["mem_fraction_static"],
             cuda_graph_max_bs=0 if args["disable_cuda_graph"] else args["cuda_graph_max_bs"],
@@ -68,8 +69,9 @@ def main(config: ChildConfig, report_ready) -> None:
         results.send(WorkerError(f"{config.name}: {type(e).__name__}: {e}"))
         raise
     dtype_name = str(dtype).removeprefix("torch.")
-    log.info("%s; %d threads; KV pool %d tokens; kernels %s; attention %s; quantization %s%s", why,
-             torch.get_num_threads(), runner.num_slots, runner.kernel_isa, runner.attention_backend, args["quantization"],
+    log.info("%s; %d threads; KV pool %d tokens (%s); kernels %s; attention %s; quantization %s%s", why,
+             torch.get_num_threads(), runner.num_slots, str(runner.kv_dtype).removeprefix("torch."), runner.kernel_isa,
+             runner.attention_backend, args["quantization"],
              (f"; tp rank {rank} of {tp_size}" if tp_size > 1 else "")
              + (f"; pipeline stage {pp_rank} of {pp_size}: layers {runner.model.stage.start}-"
                 f"{runner.model.stage.stop - 1}" if pp_size > 1 else ""))
@@ -82,7 +84,7 @@ def main(config: ChildConfig, report_ready) -> None:
                   "threads": torch.get_num_threads(), "kernel_backend": runner.kernel_backend,
                   "kernel_isa": runner.kernel_isa, "attention_backend": runner.attention_backend,
                   "cuda_graph_max_bs": runner.graphs.max_bs if runner.graphs is not None else 0,
-                  "quantization": args["quantization"],
+                  "quantization": args["quantization"], "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                   "tp_rank": rank, "pp_rank": pp_rank, "weight_bytes": runner.weight_bytes})
     trace = StepTrace(args.get("step_trace_dir"), config.name, config.dp_rank, pp_rank, rank)
     returns_results = rank == 0 and pp.is_last

@@ -48,7 +48,7 @@ def _attend_keys(q, K, V, req_to_token, req, stride_r2t, kv_head, stride_ks, str
         n_valid = offs_n < hi
         slot = tl.load(req_to_token + req * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
         k = tl.load(K + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+                    mask=n_valid[None, :] & d_valid[:, None], other=0.0).to(q.dtype)  # (a narrower pool: --kv-cache-dtype)
         scores = tl.dot(q, k, input_precision=PRECISION) * sm_scale
         if CAUSAL_BLOCK > 0:
             visible = ((offs_n // CAUSAL_BLOCK)[None, :] <= q_block[:, None]) & n_valid[None, :]
@@ -61,7 +61,7 @@ def _attend_keys(q, K, V, req_to_token, req, stride_r2t, kv_head, stride_ks, str
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i

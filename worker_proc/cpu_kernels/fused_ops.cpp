@@ -209,25 +209,41 @@ void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, to
   const int64_t rows = k.size(0), width = kv.stride(1), slots = kv.size(0);
   for (const auto& t : {k, v}) {
     const bool rows_contiguous = t.stride(-1) == 1 && (t.dim() == 2 || (t.dim() == 3 && t.stride(1) == t.size(2)));
-    TORCH_CHECK(t.scalar_type() == kv.scalar_type() && t.size(0) == rows && t.numel() == rows * width && rows_contiguous,
-                "store_kv: k and v [T, KVH, D] (or [T, KVH * D]) of kv's dtype and head shape, each row contiguous");
+    TORCH_CHECK(t.scalar_type() == k.scalar_type() && t.size(0) == rows && t.numel() == rows * width && rows_contiguous,
+                "store_kv: k and v [T, KVH, D] (or [T, KVH * D]) of one dtype and kv's head shape, each row contiguous");
   }
   TORCH_CHECK(out_cache_loc.is_contiguous() && out_cache_loc.numel() == rows &&
                   (out_cache_loc.scalar_type() == torch::kInt64 || out_cache_loc.scalar_type() == torch::kInt32),
               "store_kv: one int32/int64 slot per row");
-  const int64_t bytes = width * kv.element_size();
-  auto* pool = static_cast<char*>(kv.data_ptr());
-  const auto* kp = static_cast<const char*>(k.data_ptr());
-  const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   const bool wide = out_cache_loc.scalar_type() == torch::kInt64;
   const int64_t* slots64 = wide ? out_cache_loc.data_ptr<int64_t>() : nullptr;
   const int32_t* slots32 = wide ? nullptr : out_cache_loc.data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t slot = wide ? slots64[r] : slots32[r];
-    TORCH_CHECK(slot >= 0 && slot < slots, "store_kv: slot out of the pool");
-    std::memcpy(pool + slot * 2 * bytes, kp + r * k_stride, bytes);
-    std::memcpy(pool + (slot * 2 + 1) * bytes, vp + r * v_stride, bytes);
+  // rows of k and v (the model's dtype) into slots of the pool's dtype (the same or narrower)
+  auto store = [&](auto src_type, auto pool_type) {
+    using S = decltype(src_type);
+    using P = decltype(pool_type);
+    P* pool = kv.data_ptr<P>();
+    const S* kp = k.data_ptr<S>();
+    const S* vp = v.data_ptr<S>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t slot = wide ? slots64[r] : slots32[r];
+      TORCH_CHECK(slot >= 0 && slot < slots, "store_kv: slot out of the pool");
+      loom::convert_row(pool + slot * 2 * width, kp + r * k.stride(0), width);
+      loom::convert_row(pool + (slot * 2 + 1) * width, vp + r * v.stride(0), width);
+    }
+  };
+  const auto src = k.scalar_type(), dst = kv.scalar_type();
+  if (src == dst) {
+    LOOM_DISPATCH(src, "store_kv", [&] { store(scalar_t{}, scalar_t{}); });
+  } else if (src == torch::kFloat32 && dst == torch::kHalf) {
+    store(float{}, c10::Half{});
+  } else if (src == torch::kFloat32 && dst == torch::kBFloat16) {
+    store(float{}, c10::BFloat16{});
+  } else {
+    TORCH_CHECK(src == torch::kBFloat16 && dst == torch::kHalf,
+                "store_kv: k and v of kv's dtype, or float32 into a bfloat16 or float16 pool, or bfloat16 into a "
+                "float16 one");
+    store(c10::BFloat16{}, c10::Half{});
   }
 }
 

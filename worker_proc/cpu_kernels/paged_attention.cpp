@@ -252,8 +252,8 @@ inline void transpose_keys(const T* const* k, int64_t n, int64_t padded, float* 
   }
 }
 
-template <typename T, int64_t D>
-void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const T* kv, T* out, Scratch& scratch) {
+template <typename T, typename KV, int64_t D>
+void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const KV* kv, T* out, Scratch& scratch) {
   static_assert(D % 16 == 0, "value tiles are 16 dims");
   const int64_t G = p.group, H = p.num_heads;
   const int64_t rows = task.num_tokens * G;
@@ -286,19 +286,19 @@ void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const T*
   std::fill(row_max_so_far, row_max_so_far + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.f);
 
-  const T* k[kFlashKeys];
-  const T* v[kFlashKeys];
+  const KV* k[kFlashKeys];
+  const KV* v[kFlashKeys];
   for (int64_t t0 = 0; t0 < tile_len; t0 += kFlashKeys) {
     const int64_t n = std::min(kFlashKeys, tile_len - t0), padded = (n + 15) / 16 * 16;
     for (int64_t c = 0; c < n; ++c) {
-      const T* slot = kv + slots[t0 + c] * p.kv_slot_stride;
+      const KV* slot = kv + slots[t0 + c] * p.kv_slot_stride;
       k[c] = slot + k_off;
       v[c] = slot + v_off;
     }
     for (int64_t t = t0 + n; t < std::min(t0 + n + kFlashKeys, tile_len); ++t) {  // the next block
-      const T* slot = kv + slots[t] * p.kv_slot_stride;
-      prefetch_row<T, D>(slot + k_off);
-      prefetch_row<T, D>(slot + v_off);
+      const KV* slot = kv + slots[t] * p.kv_slot_stride;
+      prefetch_row<KV, D>(slot + k_off);
+      prefetch_row<KV, D>(slot + v_off);
     }
     transpose_keys<D>(k, n, padded, kt);
     // s[r][c] = sum_d qt[d][r] kt[d][c]: tiles of 6 rows x 16 keys
@@ -352,8 +352,8 @@ void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const T*
 #if !defined(LOOM_AVX2_ATTENTION)
 // Prompt tasks (AVX-512 and other builds): every row's scores over the keys it sees, then one
 // pass over V per kValueRows rows.
-template <typename T, int NV>
-void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T* out, Scratch& scratch) {
+template <typename T, typename KV, int NV>
+void attend_tile(const Problem& p, const Task& task, const T* q, const KV* kv, T* out, Scratch& scratch) {
   constexpr int64_t D = NV * kLanes;
   const int64_t G = p.group, H = p.num_heads;
   const int64_t rows = task.num_tokens * G;
@@ -380,8 +380,8 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     const int64_t n = std::min<int64_t>(kLanes, tile_len - t0);
     for (int64_t i = 0; i < n; ++i) {
       if (t0 + i + kPrefetchTokens < tile_len)
-        prefetch_row<T, D>(kv + slots[t0 + i + kPrefetchTokens] * p.kv_slot_stride + k_off);
-      const T* k = kv + slots[t0 + i] * p.kv_slot_stride + k_off;
+        prefetch_row<KV, D>(kv + slots[t0 + i + kPrefetchTokens] * p.kv_slot_stride + k_off);
+      const KV* k = kv + slots[t0 + i] * p.kv_slot_stride + k_off;
       vf kr[NV];
       for (int j = 0; j < NV; ++j) kr[j] = load16(k + j * kLanes);
       for (int64_t r = 0; r < rows; ++r) {
@@ -434,8 +434,8 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const T* kv, T*
     for (int i = 0; i < kValueRows; ++i) pr[i] = r0 + i < rows ? scores + (r0 + i) * padded : scratch.zeros.data();
     vf acc[kValueRows][NV] = {};
     for (int64_t t = 0; t < tile_len; ++t) {
-      if (t + kPrefetchTokens < tile_len) prefetch_row<T, D>(kv + slots[t + kPrefetchTokens] * p.kv_slot_stride + v_off);
-      const T* v = kv + slots[t] * p.kv_slot_stride + v_off;
+      if (t + kPrefetchTokens < tile_len) prefetch_row<KV, D>(kv + slots[t + kPrefetchTokens] * p.kv_slot_stride + v_off);
+      const KV* v = kv + slots[t] * p.kv_slot_stride + v_off;
       vf vr[NV];
       for (int j = 0; j < NV; ++j) vr[j] = load16(v + j * kLanes);
       for (int i = 0; i < kValueRows; ++i) {
@@ -486,13 +486,13 @@ inline float lane_sum(vf v) {
 // V of all kv heads are contiguous, so each is read whole, once, 16 tokens a block, with an
 // online softmax (a running max and sum per head). Slots are scattered in the pool: reading them
 // whole and fetching ahead is what keeps this near the memory's speed.
-template <typename T, int NV>
-void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
+template <typename T, typename KV, int NV>
+void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv, float* partial) {
   constexpr int64_t D = NV * kLanes;
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, len = task.first_token + task.num_tokens, token = p.token_starts[row];
   const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
-  const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(T));
+  const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(KV));
   constexpr float kInf = std::numeric_limits<float>::infinity();
 
   vf qs[kMaxHeads][NV], acc[kMaxHeads][NV], part[kMaxHeads][kLanes];
@@ -511,7 +511,7 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
     const int64_t n = std::min<int64_t>(kLanes, len - t0);
     for (int64_t i = 0; i < n; ++i) {
       if (t0 + i + kDecodeAhead < len) prefetch_slot(kv + slots[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
-      const T* k = kv + slots[t0 + i] * p.kv_slot_stride;
+      const KV* k = kv + slots[t0 + i] * p.kv_slot_stride;
       for (int64_t kh = 0; kh < KVH; ++kh) {
         vf kr[NV];
         for (int j = 0; j < NV; ++j) kr[j] = load16(k + kh * D + j * kLanes);
@@ -547,7 +547,7 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const T* kv, 
         for (int64_t r = 0; r < rows; ++r)
           for (int j = 0; j < NV; ++j) a[r][j] = acc[h0 + r][j];
         for (int64_t i = 0; i < n; ++i) {
-          const T* v = kv + slots[t0 + i] * p.kv_slot_stride + (KVH + kh) * D;
+          const KV* v = kv + slots[t0 + i] * p.kv_slot_stride + (KVH + kh) * D;
           vf vr[NV];
           for (int j = 0; j < NV; ++j) vr[j] = load16(v + j * kLanes);
           for (int r = 0; r < kValueRows; ++r) {  // rows past `rows` have probability 0
@@ -586,13 +586,13 @@ inline void prefetch_slot_heads(const void* slot, int64_t bytes) {
   __builtin_prefetch(static_cast<const char*>(slot) + bytes / 2, 0, 2);
 }
 
-template <typename T, int NY>  // NY: 8-float registers per head row (D = 8 NY)
-void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const T* kv, float* partial) {
+template <typename T, typename KV, int NY>  // NY: 8-float registers per head row (D = 8 NY)
+void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const KV* kv, float* partial) {
   constexpr int64_t D = NY * 8, B = kDecodeBlock;
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, end = task.first_token + task.num_tokens, token = p.token_starts[row];
   const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
-  const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(T));
+  const int64_t slot_bytes = 2 * KVH * D * static_cast<int64_t>(sizeof(KV));
 
   alignas(32) float qs[kMaxHeads][D], acc[kMaxHeads][D], prob[kMaxHeads][B];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
@@ -761,8 +761,8 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
 #endif
 
 // Any head size: the same math one query head at a time, with plain loops.
-template <typename T>
-void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T* q, const T* kv, T* out,
+template <typename T, typename KV>
+void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T* q, const KV* kv, T* out,
                          Scratch& scratch) {
   const int64_t G = p.group, H = p.num_heads;
   const int64_t first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
@@ -777,7 +777,7 @@ void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T*
       const T* qh = q + token * p.q_row_stride + head * D;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < len; ++t) {
-        const T* k = kv + slots[t] * p.kv_slot_stride + task.kv_head * D;
+        const KV* k = kv + slots[t] * p.kv_slot_stride + task.kv_head * D;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += static_cast<float>(qh[d]) * static_cast<float>(k[d]);
         s[t] = dot * p.scale;
@@ -787,7 +787,7 @@ void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T*
       for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* v = kv + slots[t] * p.kv_slot_stride + (p.num_kv_heads + task.kv_head) * D;
+        const KV* v = kv + slots[t] * p.kv_slot_stride + (p.num_kv_heads + task.kv_head) * D;
         for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * static_cast<float>(v[d]);
       }
       T* o = out + (token * H + head) * D;
@@ -800,9 +800,9 @@ struct DecodeRow {
   int64_t row, first_partial, num_parts;
 };
 
-template <typename T>
+template <typename T, typename KV>
 void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<DecodeRow>& decode_rows,
-            int64_t D, const T* q, const T* kv, T* out) {
+            int64_t D, const T* q, const KV* kv, T* out) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size()), H = p.num_heads;
   const int64_t num_partials = decode_rows.empty() ? 0 : decode_rows.back().first_partial + decode_rows.back().num_parts;
   std::vector<float> partials(num_partials * H * (D + 2));
@@ -816,7 +816,7 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
       if (task.kv_head < 0) {  // (part of) a decode row, all heads
         float* partial = partial_at(partials.data(), task.partial, H, D);
 #ifdef __AVX512BF16__
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
           if (D == 64) { attend_decode_dpbf16<4>(p, task, q, kv, partial); continue; }
           if (D == 128) { attend_decode_dpbf16<8>(p, task, q, kv, partial); continue; }
           if (D == 32) { attend_decode_dpbf16<2>(p, task, q, kv, partial); continue; }
@@ -824,38 +824,38 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
         switch (D) {
-          case 16: attend_decode_avx2<T, 2>(p, task, q, kv, partial); break;
-          case 32: attend_decode_avx2<T, 4>(p, task, q, kv, partial); break;
-          case 64: attend_decode_avx2<T, 8>(p, task, q, kv, partial); break;
-          case 128: attend_decode_avx2<T, 16>(p, task, q, kv, partial); break;
+          case 16: attend_decode_avx2<T, KV, 2>(p, task, q, kv, partial); break;
+          case 32: attend_decode_avx2<T, KV, 4>(p, task, q, kv, partial); break;
+          case 64: attend_decode_avx2<T, KV, 8>(p, task, q, kv, partial); break;
+          case 128: attend_decode_avx2<T, KV, 16>(p, task, q, kv, partial); break;
         }
 #else
         switch (D) {
-          case 16: attend_decode<T, 1>(p, task, q, kv, partial); break;
-          case 32: attend_decode<T, 2>(p, task, q, kv, partial); break;
-          case 64: attend_decode<T, 4>(p, task, q, kv, partial); break;
-          case 128: attend_decode<T, 8>(p, task, q, kv, partial); break;
+          case 16: attend_decode<T, KV, 1>(p, task, q, kv, partial); break;
+          case 32: attend_decode<T, KV, 2>(p, task, q, kv, partial); break;
+          case 64: attend_decode<T, KV, 4>(p, task, q, kv, partial); break;
+          case 128: attend_decode<T, KV, 8>(p, task, q, kv, partial); break;
         }
 #endif
         continue;
       }
       if (p.group > kTileRows) {
-        attend_tile_generic<T>(p, task, D, q, kv, out, scratch);
+        attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
         continue;
       }
       switch (D) {
 #if defined(LOOM_AVX2_ATTENTION)
-        case 16: attend_prompt_avx2<T, 16>(p, task, q, kv, out, scratch); break;
-        case 32: attend_prompt_avx2<T, 32>(p, task, q, kv, out, scratch); break;
-        case 64: attend_prompt_avx2<T, 64>(p, task, q, kv, out, scratch); break;
-        case 128: attend_prompt_avx2<T, 128>(p, task, q, kv, out, scratch); break;
+        case 16: attend_prompt_avx2<T, KV, 16>(p, task, q, kv, out, scratch); break;
+        case 32: attend_prompt_avx2<T, KV, 32>(p, task, q, kv, out, scratch); break;
+        case 64: attend_prompt_avx2<T, KV, 64>(p, task, q, kv, out, scratch); break;
+        case 128: attend_prompt_avx2<T, KV, 128>(p, task, q, kv, out, scratch); break;
 #else
-        case 16: attend_tile<T, 1>(p, task, q, kv, out, scratch); break;
-        case 32: attend_tile<T, 2>(p, task, q, kv, out, scratch); break;
-        case 64: attend_tile<T, 4>(p, task, q, kv, out, scratch); break;
-        case 128: attend_tile<T, 8>(p, task, q, kv, out, scratch); break;
+        case 16: attend_tile<T, KV, 1>(p, task, q, kv, out, scratch); break;
+        case 32: attend_tile<T, KV, 2>(p, task, q, kv, out, scratch); break;
+        case 64: attend_tile<T, KV, 4>(p, task, q, kv, out, scratch); break;
+        case 128: attend_tile<T, KV, 8>(p, task, q, kv, out, scratch); break;
 #endif
-        default: attend_tile_generic<T>(p, task, D, q, kv, out, scratch);
+        default: attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
       }
     }
     // each decode row: its parts' sums, rescaled to their common max, then normalised
@@ -971,8 +971,8 @@ torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor 
   TORCH_CHECK(kv.is_contiguous(), "contiguous kv expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows [H, D] must be contiguous");
   TORCH_CHECK(q.size(0) == plan.num_tokens && q.size(1) == plan.problem.num_heads &&
-                  q.size(2) == plan.head_dim && q.scalar_type() == plan.dtype,
-              "q differs from the planned shape or kv's dtype");
+                  q.size(2) == plan.head_dim,
+              "q differs from the planned shape");
   TORCH_CHECK(kv.dim() == 4 && kv.stride(0) == plan.problem.kv_slot_stride && kv.size(2) == plan.problem.num_kv_heads &&
                   kv.scalar_type() == plan.dtype,
               "kv differs from the planned layout or dtype");
@@ -980,14 +980,21 @@ torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor 
   const int64_t D = plan.head_dim;
   Problem problem = plan.problem;
   problem.q_row_stride = q.stride(0);
-  if (q.scalar_type() == torch::kFloat32) {
-    attend<float>(problem, plan.tasks, plan.decode_rows, D, q.data_ptr<float>(), kv.data_ptr<float>(),
-                  out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "paged_attention: float32 or bfloat16 expected");
-    attend<c10::BFloat16>(problem, plan.tasks, plan.decode_rows, D, q.data_ptr<c10::BFloat16>(),
-                          kv.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
-  }
+  // (q, pool) dtype pairs: the model's dtype, and a pool as narrow or narrower (float16 halves a
+  // float32 pool's reads, the bulk of a long-context decode step)
+  auto run = [&](auto q_type, auto kv_type) {
+    using T = decltype(q_type);
+    using KV = decltype(kv_type);
+    attend<T, KV>(problem, plan.tasks, plan.decode_rows, D, q.data_ptr<T>(), kv.data_ptr<KV>(), out.data_ptr<T>());
+  };
+  const auto kv_type = kv.scalar_type();
+  if (q.scalar_type() == torch::kFloat32 && kv_type == torch::kFloat32) run(float{}, float{});
+  else if (q.scalar_type() == torch::kFloat32 && kv_type == torch::kBFloat16) run(float{}, c10::BFloat16{});
+  else if (q.scalar_type() == torch::kFloat32 && kv_type == torch::kHalf) run(float{}, c10::Half{});
+  else if (q.scalar_type() == torch::kBFloat16 && kv_type == torch::kBFloat16) run(c10::BFloat16{}, c10::BFloat16{});
+  else if (q.scalar_type() == torch::kBFloat16 && kv_type == torch::kHalf) run(c10::BFloat16{}, c10::Half{});
+  else TORCH_CHECK(false, "paged_attention: q float32 with a float32, bfloat16 or float16 pool, or q bfloat16 with a "
+                          "bfloat16 or float16 pool");
   return out;
 }
 

@@ -5,8 +5,10 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <type_traits>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 namespace loom {
 
@@ -58,7 +60,52 @@ inline vf load16(const c10::BFloat16* p) {  // bf16 is the high half of a float
   return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
 #endif
 }
+inline vf load16(const c10::Half* p) {  // (a float16 KV pool)
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  vf v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+#else
+  vf v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+// dst[0:n) = src[0:n) in dst's type: a KV row stored in the pool's dtype. Float to float16 takes
+// the conversion instructions (a scalar c10::Half per element costs as much as the step's attention).
+template <typename D, typename S>
+inline void convert_row(D* dst, const S* src, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<D, S>) {
+    std::memcpy(dst, src, n * sizeof(D));
+    return;
+  }
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<D, c10::Half>) {
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm512_cvtps_ph(reinterpret_cast<__m512>(load16(src + i)), _MM_FROUND_TO_NEAREST_INT));
+  }
+#elif defined(__F16C__)
+  if constexpr (std::is_same_v<D, c10::Half>) {
+    for (; i + 16 <= n; i += 16) {
+      const vf x = load16(src + i);
+      __m256 h[2];
+      std::memcpy(h, &x, sizeof(x));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(h[0], _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i + 8), _mm256_cvtps_ph(h[1], _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<D>(static_cast<float>(src[i]));
+}
 
 // vexp on the lanes of a GCC vector F (I: the int32 vector of as many lanes); the same steps,
 // written on vectors where the loop form does not vectorise.
@@ -93,6 +140,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 load8(const c10::Half* p) {  // (x86-64-v3 has F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // r[i][j] <-> r[j][i] for 8 registers of 8 floats (unpack, shuffle, then swap 128-bit halves).
