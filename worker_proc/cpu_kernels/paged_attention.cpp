@@ -471,15 +471,46 @@ inline void prefetch_slot(const void* slot, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(slot) + off, 0, 2);
 }
 
+// (AVX-512: a shuffle tree; a loop over the lanes extracts each one, the bulk of a decode
+// block's softmax)
 inline float lane_max(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
+#endif
 }
 inline float lane_sum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
+#endif
+}
+
+// acc[r] += sum_i prob[r][i] v_i for R query heads of one kv head over n slots (V of the kv head
+// at kv + slots[i] * slot_stride + v_off): R x NV accumulators in registers.
+template <int R, int NV, typename KV>
+inline void add_values(vf (*acc)[NV], const float (*prob)[kLanes], const KV* kv, const int32_t* slots,
+                       int64_t slot_stride, int64_t v_off, int64_t n) {
+  vf a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = acc[r][j];
+  for (int64_t i = 0; i < n; ++i) {
+    const KV* v = kv + slots[i] * slot_stride + v_off;
+    vf vr[NV];
+    for (int j = 0; j < NV; ++j) vr[j] = load16(v + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vf w = splat(prob[r][i]);
+      for (int j = 0; j < NV; ++j) a[r][j] = w * vr[j] + a[r][j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = a[r][j];
 }
 
 // A row of one token (a decode): every head in one pass over the request's slots. A slot's K and
@@ -497,7 +528,7 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv,
 
   vf qs[kMaxHeads][NV], acc[kMaxHeads][NV], part[kMaxHeads][kLanes];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
-  alignas(64) float prob[kMaxHeads + kValueRows][kLanes] = {};  // rows past H stay 0 (padding)
+  alignas(64) float prob[kMaxHeads][kLanes];
   for (int64_t h = 0; h < H; ++h) {
     for (int j = 0; j < NV; ++j) {
       qs[h][j] = load16(q + token * p.q_row_stride + h * D + j * kLanes) * p.scale;
@@ -539,24 +570,16 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv,
       run_sum[h] += lane_sum(e);
       std::memcpy(prob[h], &e, sizeof(e));
     }
-    // acc += p * v, kValueRows query heads of one kv head in registers at a time
+    // acc += p * v, up to kValueRows query heads of one kv head in registers at a time
     for (int64_t kh = 0; kh < KVH; ++kh) {
+      const int64_t v_off = (KVH + kh) * D;
       for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += kValueRows) {
-        const int64_t rows = std::min<int64_t>(kValueRows, (kh + 1) * G - h0);
-        vf a[kValueRows][NV] = {};
-        for (int64_t r = 0; r < rows; ++r)
-          for (int j = 0; j < NV; ++j) a[r][j] = acc[h0 + r][j];
-        for (int64_t i = 0; i < n; ++i) {
-          const KV* v = kv + slots[t0 + i] * p.kv_slot_stride + (KVH + kh) * D;
-          vf vr[NV];
-          for (int j = 0; j < NV; ++j) vr[j] = load16(v + j * kLanes);
-          for (int r = 0; r < kValueRows; ++r) {  // rows past `rows` have probability 0
-            const vf w = splat(r < rows ? prob[h0 + r][i] : 0.f);
-            for (int j = 0; j < NV; ++j) a[r][j] = w * vr[j] + a[r][j];
-          }
+        switch (std::min<int64_t>(kValueRows, (kh + 1) * G - h0)) {
+          case 1: add_values<1, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n); break;
+          case 2: add_values<2, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n); break;
+          case 3: add_values<3, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n); break;
+          default: add_values<4, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n);
         }
-        for (int64_t r = 0; r < rows; ++r)
-          for (int j = 0; j < NV; ++j) acc[h0 + r][j] = a[r][j];
       }
     }
   }
