@@ -234,3 +234,35 @@ def test_layer_stack_weights_lie_in_step_order(tiny):
     assert starts[-1] - starts[0] < sum(t.numel() * t.element_size() for t in weights) + 64 * len(starts)
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_float16_kv_cache_follows_the_float32_one(tiny):
+    """--kv-cache-dtype float16 under a float32 model: twice the slots in the same memory, K/V
+    rounded once when stored; prompts chunked over cached prefixes and batched decodes give the
+    float32 cache's greedy tokens."""
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(str(tiny.path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
+                                      kernel_backend=tiny.runner.kernel_backend, kv_cache_dtype="float16"))
+    assert runner.pool.kv[0].dtype == torch.float16 and tiny.runner.pool.kv[0].dtype == torch.float32
+    assert abs(runner.num_slots - 2 * tiny.runner.num_slots) <= 1
+    narrow = generate_greedy(runner, tiny.prompts, NEW_TOKENS, together=True, max_prefill_tokens=7)
+    full = generate_greedy(tiny.runner, tiny.prompts, NEW_TOKENS, together=True, max_prefill_tokens=7)
+    for i, (m, ref) in enumerate(zip(narrow, full)):
+        assert m[:16] == ref[:16], f"{tiny.arch} prompt {i}: float16 KV {m[:16]} != float32 KV {ref[:16]}"
+
+
+def test_kv_cache_dtype_choices():
+    from worker_proc.kv_cache import resolve_kv_dtype
+
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert resolve_kv_dtype("auto", f32) == f32 and resolve_kv_dtype("auto", bf16) == bf16
+    assert resolve_kv_dtype("auto", f32, "fp16") == f16 and resolve_kv_dtype("auto", bf16, "fp16") == f16
+    assert resolve_kv_dtype("auto", f32, "int8") == f32
+    assert resolve_kv_dtype("float16", f32) == f16 and resolve_kv_dtype("bfloat16", f32) == bf16
+    assert resolve_kv_dtype("float16", bf16) == f16 and resolve_kv_dtype("bfloat16", bf16) == bf16
+    for name, compute in (("float32", bf16), ("bfloat16", f16), ("float32", f16)):
+        with pytest.raises(ValueError, match="--kv-cache-dtype"):
+            resolve_kv_dtype(name, compute)
+    with pytest.raises(ValueError, match="choose auto"):
+        resolve_kv_dtype("fp8", f32)

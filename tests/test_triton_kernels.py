@@ -57,16 +57,16 @@ def step(rows: list[tuple[int, int]], pool: KVPool) -> ForwardBatch:
 
 
 def qkv(total: int, heads: int, dtype: torch.dtype, pool: KVPool, fb: ForwardBatch, seed: int = 1):
-    """Random q, and k/v equal to what the pool holds at the step's slots (so storing them is a no-op
-    and both backends see the same keys)."""
+    """Random q, and k/v (in q's dtype) equal to what the pool holds at the step's slots (so storing
+    them is a no-op and both backends see the same keys)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(total, heads, HEAD_DIM, generator=g).to(dtype).to(DEVICE)
-    kv = pool.kv[0][fb.out_cache_loc.to(DEVICE)]
+    kv = pool.kv[0][fb.out_cache_loc.to(DEVICE)].to(dtype)
     return q, kv[:, 0].contiguous(), kv[:, 1].contiguous()
 
 
-def run_both(rows, group: int, page_size: int, dtype=torch.float32, split_tokens: int = 0):
-    pool = make_pool(dtype, page_size, rows)
+def run_both(rows, group: int, page_size: int, dtype=torch.float32, split_tokens: int = 0, kv_dtype=None):
+    pool = make_pool(kv_dtype or dtype, page_size, rows)
     fb = step(rows, pool)
     heads = group * KV_HEADS
     q, k, v = qkv(len(fb.input_ids), heads, dtype, pool, fb)
@@ -90,6 +90,12 @@ MIXED_ROWS = [(0, 21), (3, 1), (40, 19), (300, 1), (0, 2), (17, 1)]
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_extend_and_decode_match_the_torch_backend(group, page_size):
     out, expected = run_both(MIXED_ROWS, group, page_size)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_float16_pool_under_float32_queries():
+    """--kv-cache-dtype float16 with a float32 model: keys and values widen as they load."""
+    out, expected = run_both(MIXED_ROWS, 3, 16, kv_dtype=torch.float16)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
