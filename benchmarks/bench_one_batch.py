@@ -145,7 +145,7 @@ class WeightStats:
                     continue
                 seen.add(t.data_ptr())
                 if packed is not None and t is module.weight:
-                    nbytes += (t.shape[0] - packed.shape[0] * packed.shape[2]) * t.shape[1] * t.element_size()
+                    nbytes += (t.shape[0] - packed.numel() // t.shape[1]) * t.shape[1] * t.element_size()
                 else:
                     nbytes += t.numel() * t.element_size()
         return cls(matmul, nbytes, 2.0 * matmul, 2.0 * c.vocab_size * c.hidden_size)

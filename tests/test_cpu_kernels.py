@@ -191,6 +191,31 @@ def test_dense_float32_linear_on_weights_packed_at_load(kernel, m, n, k):
     torch.testing.assert_close(kernel.linear_dense(x, w, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 32), (45, 576), (64, 72)])
+def test_bfloat16_linear_on_amx_tiles(kernel, m, n, k):
+    """linear_dense on pack_dense_bf16's AMX tiles: row counts that leave one or two partial row
+    tiles (m % 16, m % 32) and pass a chunk of 256 rows. Only builds with AMX on a CPU that grants
+    it pack (N and K multiples of 32); elsewhere the pack is empty and linear_dense keeps its
+    other paths."""
+    torch.manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k).bfloat16(), (torch.randn(n, k) * 0.05).bfloat16()
+    packed = kernel.pack_dense_bf16(w)
+    if not (kernel.amx_bf16() and n % 32 == 0 and k % 32 == 0):
+        assert packed.numel() == 0
+        if not kernel.amx_bf16():
+            pytest.skip("no AMX tiles in this build or on this CPU")
+        return
+    assert "__AMX_BF16__" in kernel.target_macros()
+    assert packed.shape == (n // 32, k // 32, 2, 16, 32)
+    # column block b, input block kb, column tile t, input pair p, 2 c + e = W[32 b + 16 t + c, 32 kb + 2 p + e]
+    assert packed[-1, 0, 1, 3, 2 * 5 + 1] == w[n - 32 + 16 + 5, 2 * 3 + 1]
+    y = kernel.linear_dense(x, w, packed)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # float32 sums rounded once to bfloat16: within one bfloat16 rounding of the exact product
+    torch.testing.assert_close(y.float(), F.linear(x.double(), w.double()).bfloat16().float(), atol=1e-2, rtol=8e-3)
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 6, 9])
 @pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (7, 64)])

@@ -34,8 +34,11 @@ class Ops:
         # GEMM when rows are many: 0.4-0.7x at 32 rows on AVX2 / AVX-512 builds).
         self.half_rows = sys.maxsize if kernels is not None and kernels.half_products() else self.small_m_rows
 
-    def dense_rows(self, dtype: torch.dtype) -> int:
-        """Rows of x up to which dense linears of `dtype` take loom's kernel."""
+    def dense_rows(self, dtype: torch.dtype, packed: bool = False) -> int:
+        """Rows of x up to which dense linears of `dtype` take loom's kernel (`packed`: their
+        weights from pack_dense; bfloat16 ones are then AMX tiles, the kernel's at any row count)."""
+        if packed and dtype == torch.bfloat16:
+            return sys.maxsize
         return {torch.bfloat16: self.dense_bf16_rows, torch.float32: self.dense_f32_rows}.get(dtype, self.small_m_rows)
 
     # ---- normalisation, activation, rotary ----------------------------------------------------
@@ -81,17 +84,18 @@ class Ops:
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      packed: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype == weight.dtype and self._small(x, self.dense_rows(x.dtype)):
+        if x.dtype == weight.dtype and self._small(x, self.dense_rows(x.dtype, packed is not None)):
             y = self.kernels.linear_dense(x, weight, packed)
             return y if bias is None else y.add_(bias)
         return F.linear(x, weight, bias)
 
     def pack_dense(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight in the layout dense_linear's kernel reads without repacking it per call (float32
-        on builds with the panel kernel), or None where nothing would use it."""
-        if self.kernels is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        on builds with the panel kernel, bfloat16 on AMX builds), or None where nothing would use it."""
+        pack = {torch.float32: "pack_dense_f32", torch.bfloat16: "pack_dense_bf16"}.get(weight.dtype)
+        if self.kernels is None or pack is None or weight.device.type != "cpu":
             return None
-        packed = self.kernels.pack_dense_f32(weight.contiguous())
+        packed = getattr(self.kernels, pack)(weight.contiguous())
         return packed if packed.numel() else None
 
     def pack_half(self, weight: torch.Tensor) -> torch.Tensor:

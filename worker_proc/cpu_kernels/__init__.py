@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger("loom.kernels")
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "paged_attention.cpp", "small_m_linear.cpp", "fused_ops.cpp",
-                                "layer_stack.cpp", "half_linear.cpp")]
+                                "layer_stack.cpp", "half_linear.cpp", "amx_linear.cpp")]
 _HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h")]
 
 ISA_LEVELS = ("native", "avx512", "avx2", "scalar")
@@ -38,7 +38,7 @@ _NEEDS = {"native": set(), "scalar": set(), "avx2": _V3,
           "avx512": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
 # The target macros the kernels branch on: two builds with the same set run the same code.
 PATH_MACROS = ("__FMA__", "__F16C__", "__AVX2__", "__AVX512F__", "__AVX512BW__", "__AVX512VNNI__",
-               "__AVX512BF16__", "__AVX512FP16__")
+               "__AVX512BF16__", "__AVX512FP16__", "__AMX_BF16__")
 
 _modules: dict[str, object] = {}
 _failed: set[str] = set()

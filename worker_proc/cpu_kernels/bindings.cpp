@@ -37,6 +37,9 @@ static std::vector<std::string> target_macros() {
 #ifdef __AVX512FP16__
   LOOM_NOTE(__AVX512FP16__);
 #endif
+#ifdef __AMX_BF16__
+  LOOM_NOTE(__AMX_BF16__);
+#endif
 #undef LOOM_NOTE
   return defined;
 }
@@ -46,9 +49,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("target_macros", &target_macros, "the target macros (instruction sets) this build's code paths were chosen by");
   m.def("paged_attention", &paged_attention, "causal attention of a packed batch over the paged KV pool");
   m.def("store_kv", &store_kv, "each row's K and V to its pool slot (kv, out_cache_loc, k, v)");
-  m.def("linear_dense", &linear_dense, "x @ w.T for few rows of x (float32 / bfloat16 weights; packed: from pack_dense_f32)",
+  m.def("linear_dense", &linear_dense, "x @ w.T (float32 / bfloat16 weights; packed: from pack_dense_f32 / pack_dense_bf16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("packed") = pybind11::none());
   m.def("pack_dense_f32", &pack_dense_f32, "float32 weights [N, K] in the panels of linear_dense (empty where unused)");
+  m.def("pack_dense_bf16", &pack_dense_bf16, "bfloat16 weights [N, K] as AMX tiles for linear_dense (empty where unused)");
+  m.def("amx_bf16", &amx_bf16, "whether this build multiplies bfloat16 linears on AMX tiles (and the OS allows them)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights (as quantized or from pack_int8) with per-row scales");
   m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's integer kernel");
   m.def("linear_int4", &linear_int4, "x @ w.T for few rows of x, packed int4 weights with group scale/min");

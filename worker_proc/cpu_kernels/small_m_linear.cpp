@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -945,6 +946,7 @@ torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch
     return dispatch(x, DenseF32{w.data_ptr<float>(), w.size(1)}, w.size(0));
   }
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "dense weights must be float32 or bfloat16");
+  if (has_packed) return linear_amx_bf16(x, *packed);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(1) % 32 == 0)
     return linear_dense_dpbf16(x, w);

@@ -219,7 +219,8 @@ class CausalLM(nn.Module):
         if all(isinstance(mod, HalfLinear) for mod in linears):
             self.layer_stack_rows = self.ops.half_rows
         elif dense_dtype:
-            self.layer_stack_rows = self.ops.dense_rows(dense_dtype)
+            packed = all(mod.packed is not None for mod in linears)
+            self.layer_stack_rows = self.ops.dense_rows(dense_dtype, packed)
         else:
             self.layer_stack_rows = self.ops.small_m_rows
         return True

@@ -1,0 +1,194 @@
+// y[M, N] = x[M, K] @ W[N, K]^T in bfloat16 on AMX tiles (Intel Xeon since Sapphire Rapids), for
+// every row count: decode steps and prompt chunks alike.
+//
+// torch's bfloat16 GEMM (oneDNN) reaches AMX too, but re-lays the weights out on every call: on a
+// 2-core Xeon a 576 x 576 linear cost it ~35 us at any row count up to 32 (the weights' own stream
+// takes a few), which for a 30-layer model is ~5 ms of each decode step. Here the weights are laid
+// out once at load (pack_dense_bf16) as the tiles read them.
+//
+// Layout: [N / 32, K / 32, 2, 16, 32] bf16: column block b (32 outputs), input block kb (32
+// inputs), column tile t (16 outputs), input pair p, then 16 columns x 2 inputs, holding
+// W[32 b + 16 t + c, 32 kb + 2 p + e] at [b, kb, t, p, 2 c + e]. A tile of W is then 16 rows of 64
+// bytes (1 KB, contiguous): the VNNI form tdpbf16ps multiplies, 32 inputs x 16 columns.
+//
+// Tiles: 0-3 sums (row tile i, column tile j -> tile 2 i + j, 16 x 16 float32 each), 4-5 rows of
+// x (16 rows x 32 inputs), 6-7 the two column tiles of W: a 32 x 32 block of y per pass over K.
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LOOM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockN = 32;   // output columns per packed block (two column tiles)
+constexpr int64_t kBlockK = 32;   // inputs per tile (a 64-byte tile row of bf16)
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kBlockM = 2 * kTileRows;
+// Rows of x per pass over a thread's column blocks: 256 x K of x stays in L2 while each block of W
+// (K x 32, 36-96 KB) is reused by its 8 row blocks from L1/L2.
+constexpr int64_t kChunkM = 256;
+
+#if defined(LOOM_AMX)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state only to a process that asks for it (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool os_grants_amx() {
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// Tiles for blocks of `rows` rows of x (1-32): rows of the first row tile, then the second's.
+void configure_tiles(int64_t rows) {
+  TileConfig cfg;
+  const int first = static_cast<int>(std::min(rows, kTileRows)), second = static_cast<int>(rows - first);
+  const int tile_rows[8] = {first, first, second, second, first, second, kTileRows, kTileRows};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(tile_rows[t]);
+    cfg.colsb[t] = tile_rows[t] ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One block of y: RT row tiles (16 rows of x each, row stride ldx) x 32 columns (packed block w)
+// over all K, into sums [RT * 16][32] float32.
+template <int RT>
+inline void tile_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k_blocks, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = ldx * sizeof(at::BFloat16);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    const at::BFloat16* wk = w + kb * kBlockK * kBlockN;
+    _tile_loadd(6, wk, 64);
+    _tile_loadd(7, wk + kTileRows * kBlockK, 64);
+    _tile_loadd(4, x + kb * kBlockK, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
+      _tile_loadd(5, x + kTileRows * ldx + kb * kBlockK, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t ld = kBlockN * sizeof(float);
+  _tile_stored(0, sums, ld);
+  _tile_stored(1, sums + kTileRows, ld);
+  if constexpr (RT == 2) {
+    _tile_stored(2, sums + kTileRows * kBlockN, ld);
+    _tile_stored(3, sums + kTileRows * kBlockN + kTileRows, ld);
+  }
+}
+
+// rows x 32 float32 sums -> y (bf16, round to nearest even as torch rounds).
+inline void store_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_load_ps(sums + r * kBlockN), hi = _mm512_load_ps(sums + r * kBlockN + 16);
+    _mm512_storeu_si512(y + r * ldy, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+void block_rows(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t rows, at::BFloat16* y, int64_t n,
+                float* sums) {
+  if (rows > kTileRows)
+    tile_block<2>(x, k, w, k / kBlockK, sums);
+  else
+    tile_block<1>(x, k, w, k / kBlockK, sums);
+  store_rows(sums, rows, y, n);
+}
+#endif
+
+}  // namespace
+
+bool amx_bf16() {
+#if defined(LOOM_AMX)
+  return os_grants_amx();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack_dense_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  if (!amx_bf16() || w.scalar_type() != torch::kBFloat16 || n % kBlockN || k % kBlockK || n == 0 || k == 0)
+    return torch::empty({0}, w.options());
+  auto out = torch::empty({n / kBlockN, k / kBlockK, 2, kTileRows, kBlockK}, w.options());
+  const at::BFloat16* src = w.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n / kBlockN, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t kb = 0; kb < k / kBlockK; ++kb)
+        for (int64_t t = 0; t < 2; ++t)
+          for (int64_t p = 0; p < kTileRows; ++p)
+            for (int64_t c = 0; c < kTileRows; ++c)
+              for (int64_t e = 0; e < 2; ++e)
+                dst[(((b * (k / kBlockK) + kb) * 2 + t) * kTileRows + p) * kBlockK + 2 * c + e] =
+                    src[(b * kBlockN + t * kTileRows + c) * k + kb * kBlockK + 2 * p + e];
+  });
+  return out;
+}
+
+torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
+  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
+                  packed.size(2) == 2 && packed.size(3) == kTileRows && packed.size(4) == kBlockK,
+              "packed must come from pack_dense_bf16");
+  const int64_t n = packed.size(0) * kBlockN, k = packed.size(1) * kBlockK;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && x_in.scalar_type() == torch::kBFloat16,
+              "x must be bfloat16 [M, K] with the packed weights' K");
+#if defined(LOOM_AMX)
+  TORCH_CHECK(amx_bf16(), "this process may not use AMX tiles");
+  auto x = x_in.contiguous();
+  const int64_t m = x.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  const int64_t blocks = n / kBlockN, full_rows = m / kBlockM * kBlockM, tail = m - full_rows;
+  // Threads split the column blocks; each walks its blocks once per chunk of rows, full 32-row
+  // blocks first and the last partial one after (one tile configuration each).
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[kBlockM * kBlockN];
+    if (full_rows) {
+      configure_tiles(kBlockM);
+      for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
+        const int64_t r1 = std::min(full_rows, r0 + kChunkM);
+        for (int64_t b = b0; b < b1; ++b)
+          for (int64_t r = r0; r < r1; r += kBlockM)
+            block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, y + r * n + b * kBlockN, n, sums);
+      }
+    }
+    if (tail) {
+      configure_tiles(tail);
+      for (int64_t b = b0; b < b1; ++b)
+        block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, y + full_rows * n + b * kBlockN, n, sums);
+    }
+    _tile_release();
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "linear_amx_bf16: this build has no AMX tiles");
+#endif
+}
