@@ -168,8 +168,9 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     from worker_proc.ops import dequantize_int4
 
     backend = tiny.runner.kernel_backend
+    # (a float32 KV cache as the reference's: fp16 would default to a float16 one, tested on its own)
     quantized = ModelRunner(RunnerConfig(str(tiny.path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
-                                         kernel_backend=backend, quantization=scheme))
+                                         kernel_backend=backend, quantization=scheme, kv_cache_dtype="float32"))
     reference = ModelRunner(RunnerConfig(str(tiny.path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
                                          kernel_backend="torch"))
     ref_modules = dict(reference.model.named_modules())
