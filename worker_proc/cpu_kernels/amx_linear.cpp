@@ -56,7 +56,8 @@ bool os_grants_amx() {
   return granted;
 }
 
-// Tiles for blocks of `rows` rows of x (1-32): rows of the first row tile, then the second's.
+// Tiles for blocks of `rows` rows of x (1-32): 64 bytes wide (16 float32 sums or 32 bf16 inputs),
+// W's 16 rows (input pairs), the others as many rows of x as they hold.
 void configure_tiles(int64_t rows) {
   TileConfig cfg;
   const int first = static_cast<int>(std::min(rows, kTileRows)), second = static_cast<int>(rows - first);
@@ -65,7 +66,8 @@ void configure_tiles(int64_t rows) {
     cfg.rows[t] = static_cast<uint8_t>(tile_rows[t]);
     cfg.colsb[t] = tile_rows[t] ? 64 : 0;
   }
-  _tile_loadconfig(&cfg);
+  // (GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, which let it drop the stores above)
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // One block of y: RT row tiles (16 rows of x each, row stride ldx) x 32 columns (packed block w)
@@ -166,7 +168,7 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  const int64_t blocks = n / kBlockN, full_rows = m / kBlockM * kBlockM, tail = m - full_rows;
+  const int64_t blocks = n / kBlockN, full_rows = m / kBlockM * kBlockM;
   // Threads split the column blocks; each walks its blocks once per chunk of rows, full 32-row
   // blocks first and the last partial one after (one tile configuration each).
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -180,7 +182,7 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
             block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, y + r * n + b * kBlockN, n, sums);
       }
     }
-    if (tail) {
+    if (const int64_t tail = m - full_rows) {
       configure_tiles(tail);
       for (int64_t b = b0; b < b1; ++b)
         block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, y + full_rows * n + b * kBlockN, n, sums);
