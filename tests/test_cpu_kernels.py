@@ -216,6 +216,28 @@ def test_bfloat16_linear_on_amx_tiles(kernel, m, n, k):
     torch.testing.assert_close(y.float(), F.linear(x.double(), w.double()).bfloat16().float(), atol=1e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 300])
+@pytest.mark.parametrize("inter,k", [(1536, 576), (16, 64), (48, 96), (40, 64)])
+def test_gated_amx_linear_is_silu_of_gate_times_up(kernel, m, inter, k):
+    """pack_dense_bf16(gated=True) of an MLP's [gate; up]: linear_dense returns silu(gate) * up,
+    bit for bit what the unfused linear and silu_mul give (it rounds where they round). An
+    intermediate size that is no multiple of 16 is not packed gated."""
+    if not kernel.amx_bf16():
+        pytest.skip("no AMX tiles in this build or on this CPU")
+    torch.manual_seed(m * 1000 + inter)
+    x, w = torch.randn(m, k).bfloat16(), (torch.randn(2 * inter, k) / 8).bfloat16()
+    gated = kernel.pack_dense_bf16(w, gated=True)
+    if inter % 16:
+        assert gated.numel() == 0
+        return
+    assert gated.shape == (inter // 16, k // 32, 2, 16, 16, 2)
+    last = inter // 16 - 1  # block, input block, up tile, input pair, column, parity
+    assert gated[last, 0, 1, 0, 3, 1] == w[inter + 16 * last + 3, 1]
+    y = kernel.linear_dense(x, w, gated)
+    assert y.shape == (m, inter)
+    assert torch.equal(y, kernel.silu_mul(kernel.linear_dense(x, w, kernel.pack_dense_bf16(w))))
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 6, 9])
 @pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (7, 64)])

@@ -161,3 +161,36 @@ def test_models_of_odd_shapes_match_the_torch_backend(kernel, request, checkpoin
         for got, want in zip(logits, want_logits):
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
         assert outputs == want_out
+
+
+def test_bfloat16_model_on_amx_tiles_follows_the_torch_backend(kernel, request, tmp_path):
+    """bfloat16 with every linear packed as AMX tiles (the MLP's gated, silu(gate) * up in the
+    kernel): the layer stack takes every step, prompts included, and each step's logits agree
+    with the torch backend's in bfloat16 (both round to bfloat16 after each op, in other orders),
+    up to the first greedy pick that differs."""
+    import sys
+
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+
+    if not kernel.amx_bf16():
+        pytest.skip("no AMX tiles in this build or on this CPU")
+    path = build_tiny_checkpoint("llama", tmp_path, seed=7, vocab_size=1024)  # every N and K a multiple of 32
+
+    def runner(backend: str) -> ModelRunner:
+        return ModelRunner(RunnerConfig(str(path), torch.bfloat16, kv_cache_gb=0.02, max_running_requests=4,
+                                        kernel_backend=backend, kernel_isa=request.node.callspec.params["kernel"]))
+
+    fast = runner("cpu")
+    assert fast.model.layer_stack_rows == sys.maxsize
+    assert all(layer.mlp.gate_up_proj.packed_gated for layer in fast.model.layers)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    want_out, want_logits, _ = _run_and_capture(runner("torch"), prompts)
+    got_out, got_logits, stack_steps = _run_and_capture(fast, prompts)
+    assert stack_steps == len(got_logits)
+    for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err < 0.05, f"step {step}: relative error {err:.3f}"
+        if not torch.equal(got.argmax(-1), want.argmax(-1)):
+            break
+    assert sum(a == b for a, b in zip(got_out, want_out)) >= 2

@@ -13,12 +13,15 @@ QUANTIZATIONS = ("none", "fp16", "int8", "int4")
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops, input_sharded: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops, input_sharded: bool = False,
+                 gated: bool = False):
         super().__init__()
         self.ops = ops
         # holds some input columns of a row-parallel layer (tensor parallelism): its output is a
         # partial sum, and a row's int8 scale comes from every rank's columns
         self.input_sharded = input_sharded
+        # an MLP's fused [gate; up]: Ops.silu_mul_linear may compute silu(gate) * up in the kernel
+        self.gated = gated
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         # The weight as the kernel's panels read it (see pack_weight); not part of the checkpoint.
@@ -27,10 +30,15 @@ class Linear(nn.Module):
     def pack_weight(self) -> None:
         """Lays the weight out once for loom's kernel (call after loading and any dtype cast). The
         [N, K] weight stays: larger inputs take torch's GEMM, and ties share it."""
-        self.packed = self.ops.pack_dense(self.weight.detach())
+        self.packed = self.ops.pack_dense(self.weight.detach(), gated=self.gated and self.bias is None)
+
+    @property
+    def packed_gated(self) -> bool:
+        """Whether `packed` holds [gate; up] for the fused silu(gate) * up (pack_dense_bf16)."""
+        return self.packed is not None and self.packed.dim() == 6
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.dense_linear(x, self.weight, self.bias, self.packed)
+        return self.ops.dense_linear(x, self.weight, self.bias, None if self.packed_gated else self.packed)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The weights as the compiled layer stack takes them (cpu_kernels/layer_stack.cpp)."""

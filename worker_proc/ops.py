@@ -89,14 +89,29 @@ class Ops:
             return y if bias is None else y.add_(bias)
         return F.linear(x, weight, bias)
 
-    def pack_dense(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack_dense(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
         """weight in the layout dense_linear's kernel reads without repacking it per call (float32
-        on builds with the panel kernel, bfloat16 on AMX builds), or None where nothing would use it."""
-        pack = {torch.float32: "pack_dense_f32", torch.bfloat16: "pack_dense_bf16"}.get(weight.dtype)
-        if self.kernels is None or pack is None or weight.device.type != "cpu":
+        on builds with the panel kernel, bfloat16 on AMX builds), or None where nothing would use it.
+        gated: weight is an MLP's [gate; up], packed (where the kernel can) for silu_mul_linear."""
+        if self.kernels is None or weight.device.type != "cpu":
             return None
-        packed = getattr(self.kernels, pack)(weight.contiguous())
+        weight = weight.contiguous()
+        if weight.dtype == torch.float32:
+            packed = self.kernels.pack_dense_f32(weight)
+        elif weight.dtype == torch.bfloat16:
+            packed = self.kernels.pack_dense_bf16(weight, gated)
+            if gated and not packed.numel():
+                packed = self.kernels.pack_dense_bf16(weight)
+        else:
+            return None
         return packed if packed.numel() else None
+
+    def silu_mul_linear(self, x: torch.Tensor, gate_up) -> torch.Tensor:
+        """silu(gate) * up of an MLP's fused [gate; up] linear: in its kernel's epilogue where the
+        weights are packed for it (Linear.packed_gated), else the linear, then silu_mul."""
+        if getattr(gate_up, "packed_gated", False) and x.dtype == gate_up.weight.dtype:
+            return self.kernels.linear_dense(x, gate_up.weight, gate_up.packed)
+        return self.silu_mul(gate_up(x))
 
     def pack_half(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] in float16: pack_half's panels for the kernel, else as it is."""

@@ -11,6 +11,11 @@
 // W[32 b + 16 t + c, 32 kb + 2 p + e] at [b, kb, t, p, 2 c + e]. A tile of W is then 16 rows of 64
 // bytes (1 KB, contiguous): the VNNI form tdpbf16ps multiplies, 32 inputs x 16 columns.
 //
+// Gated (pack_dense_bf16(w, gated=true), w = [gate; up] of an MLP, [2 I, K]): block b holds gate
+// columns 16 b.. in its first column tile and up columns 16 b.. in its second, one more dimension
+// marks it ([I / 16, K / 32, 2, 16, 16, 2]), and linear_amx_bf16 returns silu(gate) * up [M, I]
+// from the sums in registers: no [M, 2 I] result to write and read back, no separate pass.
+//
 // Tiles: 0-3 sums (row tile i, column tile j -> tile 2 i + j, 16 x 16 float32 each), 4-5 rows of
 // x (16 rows x 32 inputs), 6-7 the two column tiles of W: a 32 x 32 block of y per pass over K.
 #include <torch/types.h>
@@ -18,8 +23,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "kernels.h"
+#include "vec_math.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LOOM_AMX 1
@@ -111,13 +118,32 @@ inline void store_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t
   }
 }
 
-void block_rows(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t rows, at::BFloat16* y, int64_t n,
-                float* sums) {
+inline __m512 round_bf16(__m512 v) {  // to bfloat16 and back, as a bf16 tensor between two ops holds it
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// rows x (16 gate | 16 up) float32 sums -> silu(gate) * up, 16 bf16 columns, rounded where the
+// unfused ops round (the bf16 gate/up, silu, the product: fused_ops.cpp's silu_mul).
+inline void store_silu_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 gate = round_bf16(_mm512_load_ps(sums + r * kBlockN));
+    const __m512 up = round_bf16(_mm512_load_ps(sums + r * kBlockN + 16));
+    const loom::vf e = loom::vexp16(-reinterpret_cast<const loom::vf&>(gate));
+    const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)e)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+  }
+}
+
+void block_rows(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t rows, bool gated, at::BFloat16* y,
+                int64_t n, float* sums) {
   if (rows > kTileRows)
     tile_block<2>(x, k, w, k / kBlockK, sums);
   else
     tile_block<1>(x, k, w, k / kBlockK, sums);
-  store_rows(sums, rows, y, n);
+  if (gated)
+    store_silu_rows(sums, rows, y, n);
+  else
+    store_rows(sums, rows, y, n);
 }
 #endif
 
@@ -131,12 +157,17 @@ bool amx_bf16() {
 #endif
 }
 
-torch::Tensor pack_dense_bf16(torch::Tensor w) {
+torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  if (!amx_bf16() || w.scalar_type() != torch::kBFloat16 || n % kBlockN || k % kBlockK || n == 0 || k == 0)
+  const int64_t n = w.size(0), k = w.size(1), half = n / 2;
+  if (!amx_bf16() || w.scalar_type() != torch::kBFloat16 || n % kBlockN || k % kBlockK || n == 0 || k == 0 ||
+      (gated && half % kTileRows))
     return torch::empty({0}, w.options());
   auto out = torch::empty({n / kBlockN, k / kBlockK, 2, kTileRows, kBlockK}, w.options());
+  // W's row for column c of column tile t of block b
+  const auto source_row = [&](int64_t b, int64_t t, int64_t c) {
+    return gated ? t * half + b * kTileRows + c : b * kBlockN + t * kTileRows + c;
+  };
   const at::BFloat16* src = w.data_ptr<at::BFloat16>();
   at::BFloat16* dst = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, n / kBlockN, 16, [&](int64_t begin, int64_t end) {
@@ -147,16 +178,20 @@ torch::Tensor pack_dense_bf16(torch::Tensor w) {
             for (int64_t c = 0; c < kTileRows; ++c)
               for (int64_t e = 0; e < 2; ++e)
                 dst[(((b * (k / kBlockK) + kb) * 2 + t) * kTileRows + p) * kBlockK + 2 * c + e] =
-                    src[(b * kBlockN + t * kTileRows + c) * k + kb * kBlockK + 2 * p + e];
+                    src[source_row(b, t, c) * k + kb * kBlockK + 2 * p + e];
   });
-  return out;
+  return gated ? out.view({n / kBlockN, k / kBlockK, 2, kTileRows, kTileRows, 2}) : out;
 }
 
 torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
-                  packed.size(2) == 2 && packed.size(3) == kTileRows && packed.size(4) == kBlockK,
+  const bool gated = packed.dim() == 6;
+  const std::vector<int64_t> tile_row = gated ? std::vector<int64_t>{kTileRows, 2} : std::vector<int64_t>{kBlockK};
+  TORCH_CHECK((packed.dim() == 5 || gated) && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
+                  packed.size(2) == 2 && packed.size(3) == kTileRows && packed.sizes().slice(4) == torch::IntArrayRef(tile_row),
               "packed must come from pack_dense_bf16");
-  const int64_t n = packed.size(0) * kBlockN, k = packed.size(1) * kBlockK;
+  // output columns: 32 a block, or 16 gated ones (silu(gate) * up)
+  const int64_t blocks = packed.size(0), k = packed.size(1) * kBlockK, block_cols = gated ? kTileRows : kBlockN;
+  const int64_t n = blocks * block_cols;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && x_in.scalar_type() == torch::kBFloat16,
               "x must be bfloat16 [M, K] with the packed weights' K");
 #if defined(LOOM_AMX)
@@ -168,7 +203,7 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  const int64_t blocks = n / kBlockN, full_rows = m / kBlockM * kBlockM;
+  const int64_t full_rows = m / kBlockM * kBlockM;
   // Threads split the column blocks; each walks its blocks once per chunk of rows, full 32-row
   // blocks first and the last partial one after (one tile configuration each).
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -179,13 +214,14 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
         const int64_t r1 = std::min(full_rows, r0 + kChunkM);
         for (int64_t b = b0; b < b1; ++b)
           for (int64_t r = r0; r < r1; r += kBlockM)
-            block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, y + r * n + b * kBlockN, n, sums);
+            block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, gated, y + r * n + b * block_cols, n, sums);
       }
     }
     if (const int64_t tail = m - full_rows) {
       configure_tiles(tail);
       for (int64_t b = b0; b < b1; ++b)
-        block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, y + full_rows * n + b * kBlockN, n, sums);
+        block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, gated, y + full_rows * n + b * block_cols, n,
+                   sums);
     }
     _tile_release();
   });

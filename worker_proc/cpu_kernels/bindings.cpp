@@ -52,7 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_dense", &linear_dense, "x @ w.T (float32 / bfloat16 weights; packed: from pack_dense_f32 / pack_dense_bf16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("packed") = pybind11::none());
   m.def("pack_dense_f32", &pack_dense_f32, "float32 weights [N, K] in the panels of linear_dense (empty where unused)");
-  m.def("pack_dense_bf16", &pack_dense_bf16, "bfloat16 weights [N, K] as AMX tiles for linear_dense (empty where unused)");
+  m.def("pack_dense_bf16", &pack_dense_bf16,
+        "bfloat16 weights [N, K] as AMX tiles for linear_dense (empty where unused); gated: [gate; up], and linear_dense returns silu(gate) * up",
+        pybind11::arg("w"), pybind11::arg("gated") = false);
   m.def("amx_bf16", &amx_bf16, "whether this build multiplies bfloat16 linears on AMX tiles (and the OS allows them)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights (as quantized or from pack_int8) with per-row scales");
   m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's integer kernel");

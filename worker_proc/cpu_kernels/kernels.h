@@ -25,9 +25,10 @@ void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, to
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> packed = std::nullopt);
 torch::Tensor pack_dense_f32(torch::Tensor w);
 // bfloat16 on AMX tiles (amx_linear.cpp): pack_dense_bf16 lays W [N, K] out for
-// linear_amx_bf16 (empty where the build or the OS gives no AMX, or N or K is not a multiple of 32).
+// linear_amx_bf16 (empty where the build or the OS gives no AMX, or N or K is not a multiple of 32);
+// gated: W is an MLP's [gate; up] and linear_amx_bf16 returns silu(gate) * up.
 bool amx_bf16();
-torch::Tensor pack_dense_bf16(torch::Tensor w);
+torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated = false);
 torch::Tensor linear_amx_bf16(torch::Tensor x, torch::Tensor packed);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor pack_int8(torch::Tensor w);

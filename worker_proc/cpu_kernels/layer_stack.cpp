@@ -16,7 +16,8 @@
 
 namespace {
 
-// A linear's weights in the form its Python module keeps them: [w] or [w, packed] dense,
+// A linear's weights in the form its Python module keeps them: [w] or [w, packed] dense (packed
+// gated for an MLP's [gate; up]),
 // [packed, out_features] float16, [q, scale] int8, [q, scale, min] int4; plus an optional bias.
 struct LinearWeights {
   std::vector<torch::Tensor> tensors;
@@ -36,6 +37,9 @@ struct LinearWeights {
     if (bias) y.add_(*bias);
     return y;
   }
+
+  // an MLP's [gate; up] packed gated (pack_dense_bf16): the call returns silu(gate) * up
+  bool gated() const { return !half_out && tensors.size() == 2 && tensors[1].dim() == 6; }
 };
 
 using LinearSpec = std::tuple<std::vector<torch::Tensor>, std::optional<torch::Tensor>>;
@@ -107,7 +111,7 @@ class LayerStack {
       store_kv(kv[i], out_cache_loc, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size));
       torch::Tensor attn = run_paged_attention(*attention, qkv.narrow(1, 0, q_size).view({t, num_heads_, head_dim_}), kv[i]);
       h = add_rms_norm(reduced(layer.o(attn.view({t, q_size}))), residual, layer.post_norm, eps_);
-      x = reduced(layer.down(silu_mul(layer.gate_up(h))));
+      x = reduced(layer.down(layer.gate_up.gated() ? layer.gate_up(h) : silu_mul(layer.gate_up(h))));
     }
     return lm_head_(add_rms_norm(x.index_select(0, logit_rows), residual.index_select(0, logit_rows), final_norm_, eps_));
   }

@@ -104,11 +104,11 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.tp = tp
-        self.gate_up_proj = Linear(config.hidden_size, 2 * shard.intermediate_size, False, ops)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * shard.intermediate_size, False, ops, gated=True)
         self.down_proj = Linear(shard.intermediate_size, config.hidden_size, False, ops, input_sharded=tp.size > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_mul_linear(x, self.gate_up_proj)))
 
 
 class DecoderLayer(nn.Module):
