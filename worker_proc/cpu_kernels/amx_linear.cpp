@@ -40,9 +40,11 @@ constexpr int64_t kBlockN = 32;   // output columns per packed block (two column
 constexpr int64_t kBlockK = 32;   // inputs per tile (a 64-byte tile row of bf16)
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kBlockM = 2 * kTileRows;
-// Rows of x per pass over a thread's column blocks: 256 x K of x stays in L2 while each block of W
-// (K x 32, 36-96 KB) is reused by its 8 row blocks from L1/L2.
+// Prompt-sized inputs are walked in passes of kChunkM rows (256 x K of x stays in L2) over
+// groups of column blocks of about kGroupBytes of W (which stay in L2 across the passes): each
+// weight comes from memory once a call, and x from L2/L3 once per group.
 constexpr int64_t kChunkM = 256;
+constexpr int64_t kGroupBytes = 256 << 10;
 
 #if defined(LOOM_AMX)
 struct alignas(64) TileConfig {
@@ -210,12 +212,14 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
     alignas(64) float sums[kBlockM * kBlockN];
     if (full_rows) {
       configure_tiles(kBlockM);
-      for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
-        const int64_t r1 = std::min(full_rows, r0 + kChunkM);
-        for (int64_t b = b0; b < b1; ++b)
-          for (int64_t r = r0; r < r1; r += kBlockM)
-            block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, gated, y + r * n + b * block_cols, n, sums);
-      }
+      const int64_t group = std::max<int64_t>(1, kGroupBytes / (k * kBlockN * sizeof(at::BFloat16)));
+      for (int64_t g0 = b0; g0 < b1; g0 += group)
+        for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
+          const int64_t r1 = std::min(full_rows, r0 + kChunkM);
+          for (int64_t b = g0; b < std::min(b1, g0 + group); ++b)
+            for (int64_t r = r0; r < r1; r += kBlockM)
+              block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, gated, y + r * n + b * block_cols, n, sums);
+        }
     }
     if (const int64_t tail = m - full_rows) {
       configure_tiles(tail);
