@@ -4,6 +4,7 @@
 // float32 and within one bf16 rounding step elsewhere.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <cmath>
 #include <algorithm>
 #include <bit>
@@ -50,10 +51,77 @@ inline void narrow(const float* src, T* dst, int64_t n) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 rows 16 at a time: widened by a shift, rounded back by vcvtneps2bf16 (to nearest even,
+// as bf16_bits). The generic loops below spend most of their time converting one value at a time.
+inline __m512 load_bf16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline void store_bf16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+void rms_norm_bf16(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
+                   int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const at::BFloat16* xr = x + row * dim;
+      at::BFloat16* res = residual ? residual + row * dim : nullptr;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < dim; i += 16) {
+        __m512 h = load_bf16(xr + i);
+        if (res) {
+          h = round_bf16(_mm512_add_ps(h, load_bf16(res + i)));
+          store_bf16(res + i, h);
+        }
+        ss = _mm512_fmadd_ps(h, h, ss);
+      }
+      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps);
+      const at::BFloat16* h = res ? res : xr;
+      for (int64_t i = 0; i < dim; i += 16)
+        store_bf16(out + row * dim + i,
+                   _mm512_mul_ps(load_bf16(weight + i), round_bf16(_mm512_mul_ps(load_bf16(h + i), _mm512_set1_ps(inv)))));
+    }
+  });
+}
+
+// rope_rows for bf16 with head_dim a multiple of 32 (halves of whole vectors)
+void rope_bf16(at::BFloat16* qkv, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
+               int64_t row_stride, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* cp = cos + positions[r] * head_dim;
+      const float* sp = sin + positions[r] * head_dim;
+      at::BFloat16* row = qkv + r * row_stride;
+      for (int64_t d = 0; d < half; d += 16) {
+        // c, s rounded to bf16 as the torch code casts them; the same for every head of the row
+        const __m512 c_lo = round_bf16(_mm512_loadu_ps(cp + d)), c_hi = round_bf16(_mm512_loadu_ps(cp + half + d));
+        const __m512 s_lo = round_bf16(_mm512_loadu_ps(sp + d)), s_hi = round_bf16(_mm512_loadu_ps(sp + half + d));
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          at::BFloat16* xh = row + hd * head_dim;
+          const __m512 lo = load_bf16(xh + d), hi = load_bf16(xh + half + d);
+          // x' = T(T(x * c) + T(rotate_half(x) * s)), rotate_half(x) = [-hi, lo]
+          store_bf16(xh + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, c_lo)),
+                                           round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), s_lo))));
+          store_bf16(xh + half + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, c_hi)), round_bf16(_mm512_mul_ps(lo, s_hi))));
+        }
+      }
+    }
+  });
+}
+#endif
+
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), per row; with a residual: residual += x first
 // and the sum is what gets normalised. Work is done in float32 row buffers so the loops vectorise.
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (dim % 16 == 0) return rms_norm_bf16(x, residual, weight, out, rows, dim, eps);
+  }
+#endif
   std::vector<float> wf(dim);
   widen(weight, wf.data(), dim);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -98,6 +166,11 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
 template <typename T>
 void rope_rows(T* qkv, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
                int64_t row_stride, int64_t heads, int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (head_dim % 32 == 0) return rope_bf16(qkv, positions, cos, sin, rows, row_stride, heads, head_dim);
+  }
+#endif
   const int64_t half = head_dim / 2;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> c(head_dim), s(head_dim), h(head_dim);
