@@ -32,6 +32,8 @@
 #define LOOM_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -47,14 +49,6 @@ constexpr int64_t kChunkM = 256;
 constexpr int64_t kGroupBytes = 256 << 10;
 
 #if defined(LOOM_AMX)
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Linux hands out the AMX tile state only to a process that asks for it (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
 bool os_grants_amx() {
@@ -65,18 +59,10 @@ bool os_grants_amx() {
   return granted;
 }
 
-// Tiles for blocks of `rows` rows of x (1-32): 64 bytes wide (16 float32 sums or 32 bf16 inputs),
-// W's 16 rows (input pairs), the others as many rows of x as they hold.
+// Tiles for blocks of `rows` rows of x (1-32): the sums and x tiles as many rows as they hold.
 void configure_tiles(int64_t rows) {
-  TileConfig cfg;
   const int first = static_cast<int>(std::min(rows, kTileRows)), second = static_cast<int>(rows - first);
-  const int tile_rows[8] = {first, first, second, second, first, second, kTileRows, kTileRows};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(tile_rows[t]);
-    cfg.colsb[t] = tile_rows[t] ? 64 : 0;
-  }
-  // (GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, which let it drop the stores above)
-  asm volatile("ldtilecfg %0" : : "m"(cfg));
+  loom::configure_tiles({first, first, second, second, first, second, kTileRows, kTileRows});
 }
 
 // One block of y: RT row tiles (16 rows of x each, row stride ldx) x 32 columns (packed block w)

@@ -22,7 +22,11 @@
 #include <memory>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+#endif
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c on vectors becomes one FMA
 
@@ -783,6 +787,171 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LOOM_AMX_ATTENTION 1
+// Prompt tiles in bfloat16 on AMX (q and the pool both bf16, D a multiple of 64): the scores
+// S = Q K^T and the output P V are tile products (tdpbf16ps), float32 sums. Per block of 32 keys,
+// K^T takes the VNNI form by 16 x 16 transposes of 32-bit pairs and V by interleaving the rows of
+// token pairs; the softmax between the two passes is attend_tile's, its probabilities rounded to
+// bf16 (as the bf16 decode path and GPU flash-attention kernels round P). The output lanes of the
+// V tiles come out permuted within 128-bit blocks (the interleave); the store undoes that.
+
+// rows r[0..15] of 16 32-bit elements -> r[c] = element c of every row
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4 i + e], lane L: element 4 L + e of rows 4 i .. 4 i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i b = _mm512_shuffle_i32x4(u[e], u[4 + e], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], _MM_SHUFFLE(3, 1, 3, 1));
+    r[e] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + e] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + e] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + e] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+template <int64_t D>
+void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
+                     c10::BFloat16* out) {
+  constexpr int64_t kKeys = 32;     // keys per block (two 16-column score tiles, one P tile)
+  constexpr int64_t KS = D / 32;    // 32-dim steps of a score
+  const int64_t G = p.group, H = p.num_heads;
+  const int64_t rows = task.num_tokens * G;  // <= 16
+  const int64_t first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
+  const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
+  const int64_t tile_len = first_pos + task.first_token + task.num_tokens;  // seen by the last token
+  const int64_t padded = (tile_len + kKeys - 1) / kKeys * kKeys;
+  const int64_t k_off = task.kv_head * D, v_off = (p.num_kv_heads + task.kv_head) * D;
+  auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
+  auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
+  auto key = [&](int64_t t, int64_t off) { return kv + slots[t] * p.kv_slot_stride + off; };
+
+  thread_local std::vector<float> scores_buf;
+  thread_local std::vector<uint16_t> probs_buf;
+  if (scores_buf.size() < static_cast<size_t>(rows * padded)) {
+    scores_buf.resize(16 * padded);
+    probs_buf.resize(16 * padded);
+  }
+  float* scores = scores_buf.data();
+  uint16_t* probs = probs_buf.data();
+  alignas(64) c10::BFloat16 qrows[16 * D];
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(qrows + r * D, q + token_of(r) * p.q_row_stride + head_of(r) * D, D * sizeof(c10::BFloat16));
+  const int R = static_cast<int>(rows);
+  // 0-3: sums (scores: 0-1; output: 0-3), 4: Q or P, 5: V, 6-7: K^T
+  loom::configure_tiles({R, R, R, R, R, 16, 16, 16});
+
+  // S = Q K^T, a block of 32 keys at a time
+  alignas(64) __m512i kt[KS][2][16];
+  for (int64_t t0 = 0; t0 < tile_len; t0 += kKeys) {
+    for (int64_t half = 0; half < 2; ++half)
+      for (int64_t s = 0; s < KS; ++s) {
+        __m512i* r = kt[s][half];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t t = t0 + half * 16 + i;
+          r[i] = t < tile_len ? _mm512_loadu_si512(key(t, k_off) + s * 32) : _mm512_setzero_si512();
+        }
+        transpose_16x16(r);  // row j: dims 2j, 2j + 1 of 16 keys
+      }
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t s = 0; s < KS; ++s) {
+      _tile_loadd(4, qrows + s * 32, D * sizeof(c10::BFloat16));
+      _tile_loadd(6, kt[s][0], 64);
+      _tile_loadd(7, kt[s][1], 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, scores + t0, padded * sizeof(float));
+    _tile_stored(1, scores + t0 + 16, padded * sizeof(float));
+  }
+
+  // softmax of each row over the keys it sees, into bf16 probabilities (0 past them)
+  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t r = 0; r < rows; ++r) {
+    float* srow = scores + r * padded;
+    const int64_t len = first_pos + task.first_token + r / G + 1;
+    const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+    vf mv = neg_inf;
+    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+      const vf x = load16(srow + t0) * p.scale;
+      const vf masked = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? x : neg_inf;
+      std::memcpy(srow + t0, &masked, sizeof(masked));
+      mv = masked > mv ? masked : mv;
+    }
+    const float m = _mm512_reduce_max_ps(reinterpret_cast<__m512>(mv));
+    vf sum = {};
+    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+      vf x = load16(srow + t0) - m;
+      x = x > -87.f ? x : splat(-87.f);  // exp underflows to 0 there; keeps vexp16 in range
+      vf e = loom::vexp16(x);
+      e = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? e : vf{};
+      sum += e;
+      std::memcpy(srow + t0, &e, sizeof(e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(reinterpret_cast<__m512>(sum)));
+    for (int64_t t0 = 0; t0 < padded; t0 += kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * padded + t0),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(srow + t0), inv)));
+  }
+
+  // O = P V, 64 dims (four tiles) at a time
+  alignas(64) __m512i vt[4][16];
+  alignas(64) float o[16][64];
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t0 = 0; t0 < tile_len; t0 += kKeys) {
+      for (int64_t pair = 0; pair < 16; ++pair) {  // row `pair` of V's tiles: keys t0 + 2 pair, + 1
+        const int64_t t = t0 + 2 * pair;
+        for (int64_t b = 0; b < 2; ++b) {
+          const __m512i a = t < tile_len ? _mm512_loadu_si512(key(t, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
+          const __m512i c = t + 1 < tile_len ? _mm512_loadu_si512(key(t + 1, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
+          vt[2 * b][pair] = _mm512_unpacklo_epi16(a, c);
+          vt[2 * b + 1][pair] = _mm512_unpackhi_epi16(a, c);
+        }
+      }
+      _tile_loadd(4, probs + t0, padded * sizeof(uint16_t));
+      _tile_loadd(5, vt[0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, vt[1], 64);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, vt[2], 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, vt[3], 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, &o[0][0], 64 * sizeof(float));
+    _tile_stored(1, &o[0][16], 64 * sizeof(float));
+    _tile_stored(2, &o[0][32], 64 * sizeof(float));
+    _tile_stored(3, &o[0][48], 64 * sizeof(float));
+    for (int64_t r = 0; r < rows; ++r) {
+      c10::BFloat16* dst = out + (token_of(r) * H + head_of(r)) * D + d0;
+      // tile 2 b + h, column 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t k = 0; k < 4; ++k)
+            for (int64_t j = 0; j < 4; ++j)
+              dst[32 * b + 8 * k + 4 * h + j] = static_cast<c10::BFloat16>(o[r][(2 * b + h) * 16 + 4 * k + j]);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // Any head size: the same math one query head at a time, with plain loops.
 template <typename T, typename KV>
 void attend_tile_generic(const Problem& p, const Task& task, int64_t D, const T* q, const KV* kv, T* out,
@@ -829,6 +998,7 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
   const int64_t num_tasks = static_cast<int64_t>(tasks.size()), H = p.num_heads;
   const int64_t num_partials = decode_rows.empty() ? 0 : decode_rows.back().first_partial + decode_rows.back().num_parts;
   std::vector<float> partials(num_partials * H * (D + 2));
+  [[maybe_unused]] const bool amx = amx_bf16();
   // Tasks differ in length (contexts and chunk sizes vary): hand them out one at a time.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -866,6 +1036,12 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
         attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
         continue;
       }
+#if defined(LOOM_AMX_ATTENTION)
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
+        if (amx && D == 64) { attend_tile_amx<64>(p, task, q, kv, out); continue; }
+        if (amx && D == 128) { attend_tile_amx<128>(p, task, q, kv, out); continue; }
+      }
+#endif
       switch (D) {
 #if defined(LOOM_AVX2_ATTENTION)
         case 16: attend_prompt_avx2<T, KV, 16>(p, task, q, kv, out, scratch); break;
