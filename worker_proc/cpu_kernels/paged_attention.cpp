@@ -821,38 +821,44 @@ inline void transpose_16x16(__m512i r[16]) {
   }
 }
 
+constexpr int64_t kAmxTaskTokens = 16;  // query tokens per AMX prompt task (all their heads: rows of 16-row tiles)
+
 template <int64_t D>
 void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
                      c10::BFloat16* out) {
   constexpr int64_t kKeys = 32;     // keys per block (two 16-column score tiles, one P tile)
   constexpr int64_t KS = D / 32;    // 32-dim steps of a score
   const int64_t G = p.group, H = p.num_heads;
-  const int64_t rows = task.num_tokens * G;  // <= 16
+  const int64_t rows = task.num_tokens * G, tiles = (rows + 15) / 16, padded_rows = tiles * 16;
   const int64_t first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
   const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
   const int64_t tile_len = first_pos + task.first_token + task.num_tokens;  // seen by the last token
-  const int64_t padded = (tile_len + kKeys - 1) / kKeys * kKeys;
+  const int64_t padded = (tile_len + kKeys - 1) / kKeys * kKeys, blocks = padded / kKeys;
   const int64_t k_off = task.kv_head * D, v_off = (p.num_kv_heads + task.kv_head) * D;
   auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
   auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
   auto key = [&](int64_t t, int64_t off) { return kv + slots[t] * p.kv_slot_stride + off; };
 
+  // per thread: q rows (zero past `rows`), scores, bf16 probabilities, V of every block in VNNI form
+  thread_local std::vector<c10::BFloat16> q_buf;
   thread_local std::vector<float> scores_buf;
   thread_local std::vector<uint16_t> probs_buf;
-  if (scores_buf.size() < static_cast<size_t>(rows * padded)) {
-    scores_buf.resize(16 * padded);
-    probs_buf.resize(16 * padded);
+  thread_local std::vector<__m512i> v_buf;
+  q_buf.assign(padded_rows * D, c10::BFloat16(0.f));
+  if (scores_buf.size() < static_cast<size_t>(padded_rows * padded)) {
+    scores_buf.resize(padded_rows * padded);
+    probs_buf.resize(padded_rows * padded);
   }
+  if (v_buf.size() < static_cast<size_t>(blocks * 4 * 16)) v_buf.resize(blocks * 4 * 16);
+  c10::BFloat16* qrows = q_buf.data();
   float* scores = scores_buf.data();
   uint16_t* probs = probs_buf.data();
-  alignas(64) c10::BFloat16 qrows[16 * D];
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(qrows + r * D, q + token_of(r) * p.q_row_stride + head_of(r) * D, D * sizeof(c10::BFloat16));
-  const int R = static_cast<int>(rows);
   // 0-3: sums (scores: 0-1; output: 0-3), 4: Q or P, 5: V, 6-7: K^T
-  loom::configure_tiles({R, R, R, R, R, 16, 16, 16});
+  loom::configure_tiles({16, 16, 16, 16, 16, 16, 16, 16});
 
-  // S = Q K^T, a block of 32 keys at a time
+  // S = Q K^T, a block of 32 keys at a time, each block's K^T shared by every row tile
   alignas(64) __m512i kt[KS][2][16];
   for (int64_t t0 = 0; t0 < tile_len; t0 += kKeys) {
     for (int64_t half = 0; half < 2; ++half)
@@ -864,21 +870,24 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
         }
         transpose_16x16(r);  // row j: dims 2j, 2j + 1 of 16 keys
       }
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t s = 0; s < KS; ++s) {
-      _tile_loadd(4, qrows + s * 32, D * sizeof(c10::BFloat16));
-      _tile_loadd(6, kt[s][0], 64);
-      _tile_loadd(7, kt[s][1], 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
+    for (int64_t i = 0; i < tiles; ++i) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t s = 0; s < KS; ++s) {
+        _tile_loadd(4, qrows + i * 16 * D + s * 32, D * sizeof(c10::BFloat16));
+        _tile_loadd(6, kt[s][0], 64);
+        _tile_loadd(7, kt[s][1], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, scores + i * 16 * padded + t0, padded * sizeof(float));
+      _tile_stored(1, scores + i * 16 * padded + t0 + 16, padded * sizeof(float));
     }
-    _tile_stored(0, scores + t0, padded * sizeof(float));
-    _tile_stored(1, scores + t0 + 16, padded * sizeof(float));
   }
 
-  // softmax of each row over the keys it sees, into bf16 probabilities (0 past them)
+  // softmax of each row over the keys it sees, into bf16 probabilities (0 past them and in the padding rows)
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  std::memset(probs + rows * padded, 0, (padded_rows - rows) * padded * sizeof(uint16_t));
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = scores + r * padded;
     const int64_t len = first_pos + task.first_token + r / G + 1;
@@ -906,46 +915,52 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(srow + t0), inv)));
   }
 
-  // O = P V, 64 dims (four tiles) at a time
-  alignas(64) __m512i vt[4][16];
+  // O = P V, 64 dims (four tiles) at a time: V of every block in VNNI form, then each row tile
   alignas(64) float o[16][64];
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t0 = 0; t0 < tile_len; t0 += kKeys) {
-      for (int64_t pair = 0; pair < 16; ++pair) {  // row `pair` of V's tiles: keys t0 + 2 pair, + 1
-        const int64_t t = t0 + 2 * pair;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      __m512i* vt = v_buf.data() + blk * 4 * 16;  // [4 tiles][16 rows]: row `pair` holds keys 2 pair, 2 pair + 1
+      for (int64_t pair = 0; pair < 16; ++pair) {
+        const int64_t t = blk * kKeys + 2 * pair;
         for (int64_t b = 0; b < 2; ++b) {
           const __m512i a = t < tile_len ? _mm512_loadu_si512(key(t, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
           const __m512i c = t + 1 < tile_len ? _mm512_loadu_si512(key(t + 1, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
-          vt[2 * b][pair] = _mm512_unpacklo_epi16(a, c);
-          vt[2 * b + 1][pair] = _mm512_unpackhi_epi16(a, c);
+          vt[2 * b * 16 + pair] = _mm512_unpacklo_epi16(a, c);
+          vt[(2 * b + 1) * 16 + pair] = _mm512_unpackhi_epi16(a, c);
         }
       }
-      _tile_loadd(4, probs + t0, padded * sizeof(uint16_t));
-      _tile_loadd(5, vt[0], 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, vt[1], 64);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, vt[2], 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, vt[3], 64);
-      _tile_dpbf16ps(3, 4, 5);
     }
-    _tile_stored(0, &o[0][0], 64 * sizeof(float));
-    _tile_stored(1, &o[0][16], 64 * sizeof(float));
-    _tile_stored(2, &o[0][32], 64 * sizeof(float));
-    _tile_stored(3, &o[0][48], 64 * sizeof(float));
-    for (int64_t r = 0; r < rows; ++r) {
-      c10::BFloat16* dst = out + (token_of(r) * H + head_of(r)) * D + d0;
-      // tile 2 b + h, column 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
-      for (int64_t b = 0; b < 2; ++b)
-        for (int64_t h = 0; h < 2; ++h)
-          for (int64_t k = 0; k < 4; ++k)
-            for (int64_t j = 0; j < 4; ++j)
-              dst[32 * b + 8 * k + 4 * h + j] = static_cast<c10::BFloat16>(o[r][(2 * b + h) * 16 + 4 * k + j]);
+    for (int64_t i = 0; i < tiles; ++i) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const __m512i* vt = v_buf.data() + blk * 4 * 16;
+        _tile_loadd(4, probs + i * 16 * padded + blk * kKeys, padded * sizeof(uint16_t));
+        _tile_loadd(5, vt, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vt + 16, 64);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, vt + 32, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, vt + 48, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, &o[0][0], 64 * sizeof(float));
+      _tile_stored(1, &o[0][16], 64 * sizeof(float));
+      _tile_stored(2, &o[0][32], 64 * sizeof(float));
+      _tile_stored(3, &o[0][48], 64 * sizeof(float));
+      for (int64_t rr = 0; rr < 16 && i * 16 + rr < rows; ++rr) {
+        const int64_t r = i * 16 + rr;
+        c10::BFloat16* dst = out + (token_of(r) * H + head_of(r)) * D + d0;
+        // tile 2 b + h, column 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
+        for (int64_t b = 0; b < 2; ++b)
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t k = 0; k < 4; ++k)
+              for (int64_t j = 0; j < 4; ++j)
+                dst[32 * b + 8 * k + 4 * h + j] = static_cast<c10::BFloat16>(o[rr][(2 * b + h) * 16 + 4 * k + j]);
+      }
     }
   }
   _tile_release();
@@ -1032,29 +1047,34 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
 #endif
         continue;
       }
-      if (p.group > kTileRows) {
-        attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
-        continue;
-      }
 #if defined(LOOM_AMX_ATTENTION)
       if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
         if (amx && D == 64) { attend_tile_amx<64>(p, task, q, kv, out); continue; }
         if (amx && D == 128) { attend_tile_amx<128>(p, task, q, kv, out); continue; }
       }
 #endif
-      switch (D) {
+      if (p.group > kTileRows) {
+        attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
+        continue;
+      }
+      // (a task planned for the AMX path runs here as several tiles of this path's size)
+      const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / p.group);
+      for (int64_t first = task.first_token; first < task.first_token + task.num_tokens; first += tile_tokens) {
+        const Task tile{task.row, task.kv_head, first, std::min(tile_tokens, task.first_token + task.num_tokens - first)};
+        switch (D) {
 #if defined(LOOM_AVX2_ATTENTION)
-        case 16: attend_prompt_avx2<T, KV, 16>(p, task, q, kv, out, scratch); break;
-        case 32: attend_prompt_avx2<T, KV, 32>(p, task, q, kv, out, scratch); break;
-        case 64: attend_prompt_avx2<T, KV, 64>(p, task, q, kv, out, scratch); break;
-        case 128: attend_prompt_avx2<T, KV, 128>(p, task, q, kv, out, scratch); break;
+          case 16: attend_prompt_avx2<T, KV, 16>(p, tile, q, kv, out, scratch); break;
+          case 32: attend_prompt_avx2<T, KV, 32>(p, tile, q, kv, out, scratch); break;
+          case 64: attend_prompt_avx2<T, KV, 64>(p, tile, q, kv, out, scratch); break;
+          case 128: attend_prompt_avx2<T, KV, 128>(p, tile, q, kv, out, scratch); break;
 #else
-        case 16: attend_tile<T, KV, 1>(p, task, q, kv, out, scratch); break;
-        case 32: attend_tile<T, KV, 2>(p, task, q, kv, out, scratch); break;
-        case 64: attend_tile<T, KV, 4>(p, task, q, kv, out, scratch); break;
-        case 128: attend_tile<T, KV, 8>(p, task, q, kv, out, scratch); break;
+          case 16: attend_tile<T, KV, 1>(p, tile, q, kv, out, scratch); break;
+          case 32: attend_tile<T, KV, 2>(p, tile, q, kv, out, scratch); break;
+          case 64: attend_tile<T, KV, 4>(p, tile, q, kv, out, scratch); break;
+          case 128: attend_tile<T, KV, 8>(p, tile, q, kv, out, scratch); break;
 #endif
-        default: attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
+          default: attend_tile_generic<T, KV>(p, tile, D, q, kv, out, scratch);
+        }
       }
     }
     // each decode row: its parts' sums, rescaled to their common max, then normalised
@@ -1126,7 +1146,13 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   const Problem& p = plan->problem;
   // Tiles of as many tokens as fit kTileRows query-head rows (at least one token; a larger group
   // takes the generic path, a token at a time).
-  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+  int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+#if defined(LOOM_AMX_ATTENTION)
+  // bfloat16 pools on AMX (bf16 q, as the model's dtype): larger tasks share each key block's
+  // conversion across their row tiles (other paths split them back, attend)
+  if (kv.scalar_type() == torch::kBFloat16 && amx_bf16() && (D == 64 || D == 128) && group <= kMaxTileRows)
+    tile_tokens = kAmxTaskTokens;
+#endif
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
   std::vector<Task>& tasks = plan->tasks;
   std::vector<int64_t> decodes;
