@@ -57,6 +57,10 @@ inline void narrow(const float* src, T* dst, int64_t n) {
 inline __m512 load_bf16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+// Up to this many rows these run on the calling thread: a decode step's ~1-2 us of work costs less
+// than waking the other threads and waiting for them (each op a parallel region, ~90 a step).
+constexpr int64_t kSerialRows = 64;
+
 inline void store_bf16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -64,7 +68,7 @@ inline __m512 round_bf16(__m512 v) {
 
 void rms_norm_bf16(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
                    int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kSerialRows, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const at::BFloat16* xr = x + row * dim;
       at::BFloat16* res = residual ? residual + row * dim : nullptr;
@@ -90,7 +94,7 @@ void rms_norm_bf16(const at::BFloat16* x, at::BFloat16* residual, const at::BFlo
 void rope_bf16(at::BFloat16* qkv, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
                int64_t row_stride, int64_t heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kSerialRows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* cp = cos + positions[r] * head_dim;
       const float* sp = sin + positions[r] * head_dim;
