@@ -356,6 +356,34 @@ void attend_prompt_avx2(const Problem& p, const Task& task, const T* q, const KV
 #if !defined(LOOM_AVX2_ATTENTION)
 // Prompt tasks (AVX-512 and other builds): every row's scores over the keys it sees, then one
 // pass over V per kValueRows rows.
+// Row s of `padded` scores, times `scale`: exp(s - max) over its first `len`, 0 past them, in
+// place; returns 1 / their sum.
+inline float masked_exp_row(float* s, int64_t padded, int64_t len, float scale) {
+  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  vf mv = neg_inf;
+  for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+    const vf x = load16(s + t0) * scale;
+    const vf masked = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? x : neg_inf;
+    std::memcpy(s + t0, &masked, sizeof(masked));
+    mv = masked > mv ? masked : mv;
+  }
+  float m = mv[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, mv[i]);
+  vf sum = {};
+  for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+    vf x = load16(s + t0) - m;
+    x = x > -87.f ? x : splat(-87.f);  // exp underflows to 0 there; keeps vexp16 in range
+    vf e = loom::vexp16(x);
+    e = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? e : vf{};
+    sum += e;
+    std::memcpy(s + t0, &e, sizeof(e));
+  }
+  float total = 0.f;
+  for (int i = 0; i < kLanes; ++i) total += sum[i];
+  return 1.f / total;
+}
+
 template <typename T, typename KV, int NV>
 void attend_tile(const Problem& p, const Task& task, const T* q, const KV* kv, T* out, Scratch& scratch) {
   constexpr int64_t D = NV * kLanes;
@@ -401,30 +429,9 @@ void attend_tile(const Problem& p, const Task& task, const T* q, const KV* kv, T
     }
   }
   // softmax of each row over the tokens it sees; the rest of its (padded) row becomes 0
-  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * padded;
-    const int64_t len = first_pos + task.first_token + r / G + 1;
-    for (int64_t t = len; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
-    vf mv = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
-      const vf x = load16(s + t0);
-      mv = x > mv ? x : mv;
-    }
-    float m = mv[0];
-    for (int i = 1; i < kLanes; ++i) m = std::max(m, mv[i]);
-    vf sum = {};
-    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
-      vf x = load16(s + t0) - m;
-      x = x > -87.f ? x : splat(-87.f);  // exp underflows to 0 there; keeps vexp16 in range
-      vf e = loom::vexp16(x);
-      e = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? e : vf{};
-      sum += e;
-      std::memcpy(s + t0, &e, sizeof(e));
-    }
-    float total = 0.f;
-    for (int i = 0; i < kLanes; ++i) total += sum[i];
-    const float inv = 1.f / total;
+    const vf inv = splat(masked_exp_row(s, padded, first_pos + task.first_token + r / G + 1, 1.f));
     for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
       const vf x = load16(s + t0) * inv;
       std::memcpy(s + t0, &x, sizeof(x));
@@ -886,30 +893,10 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
   }
 
   // softmax of each row over the keys it sees, into bf16 probabilities (0 past them and in the padding rows)
-  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   std::memset(probs + rows * padded, 0, (padded_rows - rows) * padded * sizeof(uint16_t));
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = scores + r * padded;
-    const int64_t len = first_pos + task.first_token + r / G + 1;
-    const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
-    vf mv = neg_inf;
-    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
-      const vf x = load16(srow + t0) * p.scale;
-      const vf masked = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? x : neg_inf;
-      std::memcpy(srow + t0, &masked, sizeof(masked));
-      mv = masked > mv ? masked : mv;
-    }
-    const float m = _mm512_reduce_max_ps(reinterpret_cast<__m512>(mv));
-    vf sum = {};
-    for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
-      vf x = load16(srow + t0) - m;
-      x = x > -87.f ? x : splat(-87.f);  // exp underflows to 0 there; keeps vexp16 in range
-      vf e = loom::vexp16(x);
-      e = (iota + static_cast<int32_t>(t0)) < static_cast<int32_t>(len) ? e : vf{};
-      sum += e;
-      std::memcpy(srow + t0, &e, sizeof(e));
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(reinterpret_cast<__m512>(sum)));
+    const __m512 inv = _mm512_set1_ps(masked_exp_row(srow, padded, first_pos + task.first_token + r / G + 1, p.scale));
     for (int64_t t0 = 0; t0 < padded; t0 += kLanes)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * padded + t0),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(srow + t0), inv)));
