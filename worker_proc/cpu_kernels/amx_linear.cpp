@@ -106,19 +106,15 @@ inline void store_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t
   }
 }
 
-inline __m512 round_bf16(__m512 v) {  // to bfloat16 and back, as a bf16 tensor between two ops holds it
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 // rows x (16 gate | 16 up) float32 sums -> silu(gate) * up, 16 bf16 columns, rounded where the
 // unfused ops round (the bf16 gate/up, silu, the product: fused_ops.cpp's silu_mul).
 inline void store_silu_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 gate = round_bf16(_mm512_load_ps(sums + r * kBlockN));
-    const __m512 up = round_bf16(_mm512_load_ps(sums + r * kBlockN + 16));
+    const __m512 gate = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN));
+    const __m512 up = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN + 16));
     const loom::vf e = loom::vexp16(-reinterpret_cast<const loom::vf&>(gate));
-    const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)e)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+    const __m512 silu = loom::round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)e)));
+    loom::store16_bf16(y + r * ldy, _mm512_mul_ps(silu, up));
   }
 }
 

@@ -52,19 +52,15 @@ inline void narrow(const float* src, T* dst, int64_t n) {
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 rows 16 at a time: widened by a shift, rounded back by vcvtneps2bf16 (to nearest even,
-// as bf16_bits). The generic loops below spend most of their time converting one value at a time.
-inline __m512 load_bf16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+// bfloat16 rows 16 at a time (loom::load16 widens, store16_bf16 and round_bf16 round to nearest
+// even, as bf16_bits). The generic loops below spend most of their time converting one value at a time.
+inline __m512 load_bf16(const at::BFloat16* p) { return reinterpret_cast<__m512>(loom::load16(p)); }
+using loom::round_bf16;
+using loom::store16_bf16;
+
 // Up to this many rows these run on the calling thread: a decode step's ~1-2 us of work costs less
 // than waking the other threads and waiting for them (each op a parallel region, ~90 a step).
 constexpr int64_t kSerialRows = 64;
-
-inline void store_bf16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
 
 void rms_norm_bf16(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
                    int64_t rows, int64_t dim, float eps) {
@@ -77,14 +73,14 @@ void rms_norm_bf16(const at::BFloat16* x, at::BFloat16* residual, const at::BFlo
         __m512 h = load_bf16(xr + i);
         if (res) {
           h = round_bf16(_mm512_add_ps(h, load_bf16(res + i)));
-          store_bf16(res + i, h);
+          store16_bf16(res + i, h);
         }
         ss = _mm512_fmadd_ps(h, h, ss);
       }
       const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps);
       const at::BFloat16* h = res ? res : xr;
       for (int64_t i = 0; i < dim; i += 16)
-        store_bf16(out + row * dim + i,
+        store16_bf16(out + row * dim + i,
                    _mm512_mul_ps(load_bf16(weight + i), round_bf16(_mm512_mul_ps(load_bf16(h + i), _mm512_set1_ps(inv)))));
     }
   });
@@ -107,9 +103,9 @@ void rope_bf16(at::BFloat16* qkv, const int64_t* positions, const float* cos, co
           at::BFloat16* xh = row + hd * head_dim;
           const __m512 lo = load_bf16(xh + d), hi = load_bf16(xh + half + d);
           // x' = T(T(x * c) + T(rotate_half(x) * s)), rotate_half(x) = [-hi, lo]
-          store_bf16(xh + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, c_lo)),
+          store16_bf16(xh + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, c_lo)),
                                            round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), s_lo))));
-          store_bf16(xh + half + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, c_hi)), round_bf16(_mm512_mul_ps(lo, s_hi))));
+          store16_bf16(xh + half + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, c_hi)), round_bf16(_mm512_mul_ps(lo, s_hi))));
         }
       }
     }

@@ -898,8 +898,7 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
     float* srow = scores + r * padded;
     const __m512 inv = _mm512_set1_ps(masked_exp_row(srow, padded, first_pos + task.first_token + r / G + 1, p.scale));
     for (int64_t t0 = 0; t0 < padded; t0 += kLanes)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * padded + t0),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(srow + t0), inv)));
+      loom::store16_bf16(probs + r * padded + t0, _mm512_mul_ps(_mm512_load_ps(srow + t0), inv));
   }
 
   // O = P V, 64 dims (four tiles) at a time: V of every block in VNNI form, then each row tile

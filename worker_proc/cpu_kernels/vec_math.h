@@ -78,6 +78,18 @@ inline vf load16(const c10::Half* p) {  // (a float16 KV pool)
 }
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
+#if defined(__AVX512BF16__)
+// 16 floats rounded to bfloat16 (to nearest even, vcvtneps2bf16) and stored.
+inline void store16_bf16(void* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+// v rounded to bfloat16 and widened back: what a bf16 tensor between two ops holds.
+inline __m512 round_bf16(__m512 v) {
+  const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 // dst[0:n) = src[0:n) in dst's type: a KV row stored in the pool's dtype. Float to float16 takes
 // the conversion instructions (a scalar c10::Half per element costs as much as the step's attention).
 template <typename D, typename S>
