@@ -47,6 +47,10 @@ from scheduler_proc.radix_cache import RadixCache, common_prefix
 from scheduler_proc.req import Req, ReqState
 from scheduler_proc.schedule_batch import BatchRow, ScheduleBatch
 
+# Decode slots are reserved per request in runs that end on positions that are multiples of this
+# (SchedulerCore._reserve_decode_slots): the AMX decode kernel's group of tokens.
+KV_SLOT_RUN = 16
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -282,17 +286,34 @@ class SchedulerCore:
             # last: the normal loop never has such a request running)
             decoding = [r for r in self.running if r.num_pending == 1 and not self._last_token_planned(r)
                         and not r.in_flight][: self.row_cap]
-            if self._make_room(len(decoding)):
+            if self._make_room(sum(1 for r in decoding if not len(r.kv_reserve))):
                 break
             if len(self.running) == 1:
                 ended.append(self._finish(self.running[0], FinishReason(
                     "abort", message="the KV cache is too small to continue this request")))
             else:
                 self._retract(self.batching.victim(self))
-        slots = self.token_pool.alloc(len(decoding))  # one allocation for every decode
-        for i, req in enumerate(decoding):
-            self._extend(batch, req, 1, slots[i : i + 1])
+        self._reserve_decode_slots(decoding)
+        for req in decoding:
+            slot, req.kv_reserve = req.kv_reserve[:1], req.kv_reserve[1:]
+            self._extend(batch, req, 1, slot)
         return ended
+
+    def _reserve_decode_slots(self, decoding: list[Req]) -> None:
+        """Gives each decode without reserved slots a run of consecutive ones, up to its next
+        position that is a multiple of KV_SLOT_RUN (or its last token), so that a request's KV
+        lies in runs of slots rather than interleaved with every other decode of the step: the
+        attention kernels read a run as one stream (the AMX path reads 16 in place). Runs come
+        only from free slots; short of them, a slot each."""
+        short = [r for r in decoding if not len(r.kv_reserve)]
+        runs = [max(1, min(KV_SLOT_RUN - r.num_computed % KV_SLOT_RUN, r.remaining_new_tokens)) for r in short]
+        if sum(runs) > self.token_pool.num_free:
+            runs = [1] * len(short)
+        slots = self.token_pool.alloc(sum(runs))  # one allocation for every run
+        start = 0
+        for req, n in zip(short, runs):
+            req.kv_reserve = slots[start : start + n]
+            start += n
 
     def _schedule_prefills(self, batch: ScheduleBatch, input_budget: int) -> None:
         if not self.waiting and not any(r.num_pending > 1 for r in self.running):
@@ -518,6 +539,8 @@ class SchedulerCore:
         tree first; of its slots, those the tree now holds stay (cached), the rest (copies of
         tokens the tree had already, tokens past the last whole page, a step planned past its
         end) go back to the pool."""
+        self.token_pool.free(req.kv_reserve)
+        req.kv_reserve = req.kv_reserve[:0]
         slots = req.kv_slots
         if self.dllm is not None:  # only whole blocks whose KV came from final ids may be cached
             computed = req.dllm_kv_valid

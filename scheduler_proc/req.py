@@ -32,6 +32,7 @@ class Req:
     # doubling so a decode step appends in O(1).
     kv_buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     num_computed: int = 0
+    kv_reserve: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))  # slots its next decodes take
     req_pool_idx: int = -1
     retractions: int = 0
     sent_ids: int = 0  # output ids already handed to the detokenizer

@@ -66,6 +66,9 @@ def test_random_workloads_never_leak_and_end_every_request_once(cfg, events):
         cached = core.cache.all_slots().tolist()
         assert len(cached) == len(set(cached)) == core.cache.total_size
         held = set(cached) | {int(s) for r in core.running for s in r.kv_slots}
+        reserved = [int(s) for r in core.running for s in r.kv_reserve]  # slots of their next decodes
+        assert not held & set(reserved) and len(reserved) == len(set(reserved))
+        held |= set(reserved)
         assert used == len(held), "slots in use must be exactly those the cache and running requests hold"
         if held:
             assert set(core.token_pool.refcounts(np.fromiter(held, dtype=np.int32)).tolist()) == {1}

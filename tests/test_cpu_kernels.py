@@ -85,6 +85,30 @@ def test_few_decode_rows_split_across_threads_match_reference(kernel, dtype, tol
         _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (16, 2, 64)])
+def test_decode_rows_over_runs_of_consecutive_slots_match_reference(kernel, heads, kv_heads, head_dim):
+    """bfloat16 decodes whose slots lie in runs of 16 consecutive ones (read in place by the AMX
+    path) mixed with scattered ones (copied), short and long rows (split into parts), and scores
+    that grow along the context (the AMX path's reference max moves and rescales its sums)."""
+    torch.manual_seed(2)
+    slots = 6000
+    kv = torch.randn(slots, 2, kv_heads, head_dim).bfloat16()
+    lens = [1, 15, 16, 17, 200, 333, 1000, 2048]
+    table = torch.randint(1, slots, (len(lens), 2048), dtype=torch.int32)
+    table[:, :1024] = (torch.arange(1024, dtype=torch.int32) + 1 + 64 * torch.arange(len(lens))[:, None]).int()
+    table[:, 1024:1040] = 3000  # past the runs: a group of one repeated slot
+    growth = torch.linspace(0, 4, 2048)[:, None, None]  # later keys align more and more with q
+    kv[table[-1].long(), 0] = (kv[table[-1].long(), 0].float() + growth * torch.ones(head_dim)).bfloat16()
+    for rows in (lens, lens[-2:]):
+        idx = torch.tensor([lens.index(n) for n in rows])
+        extend_lens = torch.ones(len(rows), dtype=torch.int64)
+        prefix_lens = torch.tensor(rows) - 1
+        token_starts = torch.arange(len(rows))
+        q = (torch.randn(len(rows), heads, head_dim) + 0.5).bfloat16()
+        out = kernel.paged_attention(q, kv, table, idx, token_starts, extend_lens, prefix_lens + 1, head_dim**-0.5)
+        _check_against_sdpa(kv, table, idx, q, out, token_starts, extend_lens, prefix_lens, 2e-2)
+
+
 @pytest.mark.parametrize("dtype,kv_dtype,tol", [(torch.float32, torch.float16, 1e-5), (torch.float32, torch.bfloat16, 1e-5),
                                               (torch.bfloat16, torch.float16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16), (3, 1, 18)])

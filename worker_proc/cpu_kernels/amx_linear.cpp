@@ -188,26 +188,28 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
   const int64_t full_rows = m / kBlockM * kBlockM;
-  // Threads split the column blocks; each walks its blocks once per chunk of rows, full 32-row
-  // blocks first and the last partial one after (one tile configuration each).
+  // Threads split the column blocks; each walks them a group (~kGroupBytes of W) at a time, and
+  // each group in chunks of rows: full 32-row blocks, then the last partial one (its own tile
+  // configuration), so W comes from memory once a call at every row count.
+  const int64_t tail = m - full_rows;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float sums[kBlockM * kBlockN];
-    if (full_rows) {
-      configure_tiles(kBlockM);
-      const int64_t group = std::max<int64_t>(1, kGroupBytes / (k * kBlockN * sizeof(at::BFloat16)));
-      for (int64_t g0 = b0; g0 < b1; g0 += group)
-        for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
-          const int64_t r1 = std::min(full_rows, r0 + kChunkM);
-          for (int64_t b = g0; b < std::min(b1, g0 + group); ++b)
-            for (int64_t r = r0; r < r1; r += kBlockM)
-              block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, gated, y + r * n + b * block_cols, n, sums);
-        }
-    }
-    if (const int64_t tail = m - full_rows) {
-      configure_tiles(tail);
-      for (int64_t b = b0; b < b1; ++b)
-        block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, gated, y + full_rows * n + b * block_cols, n,
-                   sums);
+    const int64_t group = std::max<int64_t>(1, kGroupBytes / (k * kBlockN * sizeof(at::BFloat16)));
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      const int64_t g1 = std::min(b1, g0 + group);
+      if (full_rows) configure_tiles(kBlockM);
+      for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
+        const int64_t r1 = std::min(full_rows, r0 + kChunkM);
+        for (int64_t b = g0; b < g1; ++b)
+          for (int64_t r = r0; r < r1; r += kBlockM)
+            block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, gated, y + r * n + b * block_cols, n, sums);
+      }
+      if (tail) {
+        configure_tiles(tail);
+        for (int64_t b = g0; b < g1; ++b)
+          block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, gated, y + full_rows * n + b * block_cols, n,
+                     sums);
+      }
     }
     _tile_release();
   });
