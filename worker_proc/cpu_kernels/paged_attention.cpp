@@ -828,6 +828,43 @@ inline void transpose_16x16(__m512i r[16]) {
   }
 }
 
+// e^x for x <= 0 within ~2e-6 relative (2^f for |f| <= 1/2 by its degree-5 series, scaled by
+// 2^n): for probabilities that are rounded to bfloat16 next, half the work of vexp16.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504089f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Row s of `padded` scores: exp(scale s - max) over its first `len` into bf16 probs, 0 past them;
+// returns 1 / their sum (of the float32 values).
+inline float exp_row_bf16(const float* s, int64_t padded, int64_t len, float scale, uint16_t* probs) {
+  const int64_t full = len / kLanes * kLanes;
+  const __mmask16 last = static_cast<__mmask16>((1u << (len - full)) - 1);
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 < full; t0 += kLanes) mv = _mm512_max_ps(mv, _mm512_load_ps(s + t0));
+  if (last) mv = _mm512_mask_max_ps(mv, last, mv, _mm512_load_ps(s + full));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * scale), sv = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < padded; t0 += kLanes) {
+    __m512 e = _mm512_setzero_ps();
+    if (t0 < full)
+      e = exp_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(s + t0), sv, top));
+    else if (t0 == full && last)
+      e = _mm512_maskz_mov_ps(last, exp_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(s + t0), sv, top)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t0), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
 constexpr int64_t kAmxTaskTokens = 16;  // query tokens per AMX prompt task (all their heads: rows of 16-row tiles)
 
 template <int64_t D>
@@ -892,14 +929,15 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
     }
   }
 
-  // softmax of each row over the keys it sees, into bf16 probabilities (0 past them and in the padding rows)
+  // softmax numerators of each row over the keys it sees, into bf16 probabilities (0 past them
+  // and in the padding rows); the output rows are divided by their sums as they are stored
   std::memset(probs + rows * padded, 0, (padded_rows - rows) * padded * sizeof(uint16_t));
-  for (int64_t r = 0; r < rows; ++r) {
-    float* srow = scores + r * padded;
-    const __m512 inv = _mm512_set1_ps(masked_exp_row(srow, padded, first_pos + task.first_token + r / G + 1, p.scale));
-    for (int64_t t0 = 0; t0 < padded; t0 += kLanes)
-      loom::store16_bf16(probs + r * padded + t0, _mm512_mul_ps(_mm512_load_ps(srow + t0), inv));
-  }
+  thread_local std::vector<float> inv_sum_buf;
+  if (inv_sum_buf.size() < static_cast<size_t>(rows)) inv_sum_buf.resize(rows);
+  float* inv_sum = inv_sum_buf.data();
+  for (int64_t r = 0; r < rows; ++r)
+    inv_sum[r] = exp_row_bf16(scores + r * padded, padded, first_pos + task.first_token + r / G + 1, p.scale,
+                              probs + r * padded);
 
   // O = P V, 64 dims (four tiles) at a time: V of every block in VNNI form, then each row tile
   alignas(64) float o[16][64];
@@ -937,15 +975,19 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
       _tile_stored(1, &o[0][16], 64 * sizeof(float));
       _tile_stored(2, &o[0][32], 64 * sizeof(float));
       _tile_stored(3, &o[0][48], 64 * sizeof(float));
+      // tile 2 b + h, column 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
+      const __m512i first_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i last_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
       for (int64_t rr = 0; rr < 16 && i * 16 + rr < rows; ++rr) {
         const int64_t r = i * 16 + rr;
         c10::BFloat16* dst = out + (token_of(r) * H + head_of(r)) * D + d0;
-        // tile 2 b + h, column 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
-        for (int64_t b = 0; b < 2; ++b)
-          for (int64_t h = 0; h < 2; ++h)
-            for (int64_t k = 0; k < 4; ++k)
-              for (int64_t j = 0; j < 4; ++j)
-                dst[32 * b + 8 * k + 4 * h + j] = static_cast<c10::BFloat16>(o[rr][(2 * b + h) * 16 + 4 * k + j]);
+        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        for (int64_t b = 0; b < 2; ++b) {
+          const __m512 lo = _mm512_mul_ps(_mm512_load_ps(&o[rr][32 * b]), inv);
+          const __m512 hi = _mm512_mul_ps(_mm512_load_ps(&o[rr][32 * b + 16]), inv);
+          _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, last_dims, hi),
+                                                                         _mm512_permutex2var_ps(lo, first_dims, hi)));
+        }
       }
     }
   }
