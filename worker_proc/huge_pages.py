@@ -27,9 +27,14 @@ def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
-def zeros_tensor_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def zeros_tensor_on_huge_pages(shape: Sequence[int], dtype: torch.dtype, prefault: bool = False) -> torch.Tensor:
+    """prefault: touch every page now (the kernel maps and zeroes it) rather than on the first
+    write of a step; in a VM the host may have to back each page too."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return zeros_on_huge_pages(nbytes).view(dtype).view(tuple(shape))
+    region = zeros_on_huge_pages(nbytes)
+    if prefault and nbytes:
+        region[::4096].zero_()
+    return region.view(dtype).view(tuple(shape))
 
 
 def pack_on_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
