@@ -59,10 +59,6 @@ struct Layer {
 
 }  // namespace
 
-#include <x86intrin.h>
-#include <cstdio>
-static uint64_t g_op[10]; static int64_t g_fw = 0;
-#define TICK(i) { uint64_t now = __rdtsc(); g_op[i] += now - last; last = now; }
 class LayerStack {
  public:
   LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
@@ -96,7 +92,6 @@ class LayerStack {
                         torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
     TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
     TORCH_CHECK(embedding_.defined(), "set_head first");
-    uint64_t last = __rdtsc();
     torch::Tensor x = embed(input_ids);
     const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
@@ -111,34 +106,14 @@ class LayerStack {
       } else {
         h = add_rms_norm(x, residual, layer.input_norm, eps_);
       }
-      TICK(0)
       torch::Tensor qkv = layer.qkv(h);
-      TICK(1)
       rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
-      TICK(8)
       store_kv(kv[i], out_cache_loc, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size));
-      TICK(2)
       torch::Tensor attn = run_paged_attention(*attention, qkv.narrow(1, 0, q_size).view({t, num_heads_, head_dim_}), kv[i]);
-      TICK(3)
-      torch::Tensor o = layer.o(attn.view({t, q_size}));
-      TICK(4)
-      h = add_rms_norm(reduced(o), residual, layer.post_norm, eps_);
-      TICK(0)
-      torch::Tensor gu = layer.gate_up(h);
-      TICK(5)
-      x = reduced(layer.down(gu));
-      TICK(6)
+      h = add_rms_norm(reduced(layer.o(attn.view({t, q_size}))), residual, layer.post_norm, eps_);
+      x = reduced(layer.down(layer.gate_up.gated() ? layer.gate_up(h) : silu_mul(layer.gate_up(h))));
     }
-    auto logits = lm_head_(add_rms_norm(x.index_select(0, logit_rows), residual.index_select(0, logit_rows), final_norm_, eps_));
-    TICK(7)
-    if (getenv("LOOM_OP_TIMES") && (t > 256 || ++g_fw % 20 == 0)) {
-      const char* names[] = {"norms", "qkv", "store", "attention", "o", "gate_up", "down", "lm_head", "rope"};
-      const double div = t > 256 ? 1e6 : 20e6;
-      fprintf(stderr, "t=%ld per forward (Mcycles):", t);
-      for (int k = 0; k < 9; ++k) { fprintf(stderr, " %s %.2f", names[k], g_op[k] / div); g_op[k] = 0; }
-      fprintf(stderr, "\n");
-    }
-    return logits;
+    return lm_head_(add_rms_norm(x.index_select(0, logit_rows), residual.index_select(0, logit_rows), final_norm_, eps_));
   }
 
  private:
