@@ -10,6 +10,7 @@ import torch
 
 from inproc import build_tiny_checkpoint, generate_greedy
 from worker_proc.model_runner import DENSE_BF16_ROWS, SMALL_M_ROWS
+from worker_proc import onednn_linear
 from worker_proc.ops import Ops, quantize_int4, quantize_int8
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -39,6 +40,22 @@ def test_linears_on_odd_shapes_match_torch(ops_pair, dtype, n, k):
         # k is no multiple of 64 here: no packed blocks, the exact int8 path (activations unrounded)
         torch.testing.assert_close(fast.int8_linear(x, fast.pack_int8(q8, dtype), s8, bias),
                                    ref.int8_linear(x, q8, s8, bias), **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not onednn_linear.available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n,k", ODD_LINEARS + [(960, 576)])
+def test_linears_on_weights_reordered_for_onednn_match_torch(dtype, n, k):
+    """Ops.dense_linear on a weight reordered once at load (onednn_linear.pack), at row counts
+    below, at and far above the layout's LAYOUT_ROWS, with and without a bias."""
+    torch.manual_seed(n * 1000 + k)
+    dense = (torch.randn(n, k) * 0.1).to(dtype)
+    reordered = onednn_linear.pack(dense)
+    ops = Ops()  # no kernel: every row count reaches the GEMM
+    for m, bias in [(1, None), (9, torch.randn(n).to(dtype)), (onednn_linear.LAYOUT_ROWS, None), (300, None)]:
+        x = torch.randn(m, k).to(dtype)
+        torch.testing.assert_close(ops.dense_linear(x, dense, bias, None, reordered),
+                                   torch.nn.functional.linear(x, dense, bias), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -26,11 +26,15 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         # The weight as the kernel's panels read it (see pack_weight); not part of the checkpoint.
         self.register_buffer("packed", None, persistent=False)
+        # The weight in oneDNN's layout for torch's GEMM where loom's kernel does not take the rows
+        # (Ops.pack_onednn); a plain attribute: an opaque mkldnn tensor, never saved or moved.
+        self.onednn = None
 
     def pack_weight(self) -> None:
         """Lays the weight out once for loom's kernel (call after loading and any dtype cast). The
         [N, K] weight stays: larger inputs take torch's GEMM, and ties share it."""
         self.packed = self.ops.pack_dense(self.weight.detach(), gated=self.gated and self.bias is None)
+        self.onednn = self.ops.pack_onednn(self.weight, self.packed is not None)
 
     @property
     def packed_gated(self) -> bool:
@@ -38,7 +42,8 @@ class Linear(nn.Module):
         return self.packed is not None and self.packed.dim() == 6
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.dense_linear(x, self.weight, self.bias, None if self.packed_gated else self.packed)
+        return self.ops.dense_linear(x, self.weight, self.bias, None if self.packed_gated else self.packed,
+                                     self.onednn)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The weights as the compiled layer stack takes them (cpu_kernels/layer_stack.cpp)."""

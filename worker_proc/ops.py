@@ -4,7 +4,8 @@ the kernels round to the activation dtype at the same points.
 
 Linears with few input rows (decode steps) stream their weights through the small-M kernel, and
 dense ones take loom's kernels up to Ops.dense_rows (more rows on some builds); larger inputs
-(prefill chunks) go to torch's GEMM, after widening quantized weights.
+(prefill chunks) go to torch's GEMM (on weights reordered once for oneDNN where that pays), after
+widening quantized weights.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from worker_proc import onednn_linear
 
 INT4_GROUP = 32  # weights per int4 scale/min group (the GGUF Q4 block size)
 _INT8_PACK_STEP = 64  # pack_int8 interleaves rows per 64 inputs (VNNI) or 32 (AVX2)
@@ -83,10 +86,12 @@ class Ops:
         return x.shape[0] <= (self.small_m_rows if rows is None else rows)
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     packed: torch.Tensor | None = None) -> torch.Tensor:
+                     packed: torch.Tensor | None = None, onednn: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype == weight.dtype and self._small(x, self.dense_rows(x.dtype, packed is not None)):
             y = self.kernels.linear_dense(x, weight, packed)
             return y if bias is None else y.add_(bias)
+        if onednn is not None and x.dtype == weight.dtype:
+            return onednn_linear.linear(x, onednn, bias)
         return F.linear(x, weight, bias)
 
     def pack_dense(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
@@ -105,6 +110,14 @@ class Ops:
         else:
             return None
         return packed if packed.numel() else None
+
+    def pack_onednn(self, weight: torch.Tensor, packed: bool) -> torch.Tensor | None:
+        """weight reordered once for torch's oneDNN GEMM (worker_proc/onednn_linear.py), where some
+        rows reach that GEMM (not bfloat16 on AMX tiles, which loom's kernel takes at every row
+        count) and the start-up timing says it beats F.linear on this CPU."""
+        if self.kernels is None or weight.device.type != "cpu" or self.dense_rows(weight.dtype, packed) == sys.maxsize:
+            return None
+        return onednn_linear.pack(weight) if onednn_linear.pays(weight.dtype) else None
 
     def silu_mul_linear(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of an MLP's fused [gate; up] linear: in its kernel's epilogue where the
