@@ -215,22 +215,23 @@ def test_dense_float32_linear_on_weights_packed_at_load(kernel, m, n, k):
     torch.testing.assert_close(kernel.linear_dense(x, w, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 16, 17, 31, 32, 33, 100, 300])
 @pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 32), (45, 576), (64, 72)])
-def test_bfloat16_linear_on_amx_tiles(kernel, m, n, k):
-    """linear_dense on pack_dense_bf16's AMX tiles: row counts that leave one or two partial row
-    tiles (m % 16, m % 32) and pass a chunk of 256 rows. Only builds with AMX on a CPU that grants
-    it pack (N and K multiples of 32); elsewhere the pack is empty and linear_dense keeps its
-    other paths."""
+def test_bfloat16_linear_on_packed_weights(kernel, m, n, k):
+    """linear_dense on pack_dense_bf16's weights: on AMX tiles, row counts that leave one or two
+    partial row tiles (m % 16, m % 32) and pass a chunk of 256 rows; by vdpbf16ps elsewhere, row
+    counts that leave a partial block of 12. Only builds with AMX (on a CPU that grants it) or
+    AVX512-BF16 pack (N and K multiples of 32); elsewhere the pack is empty and linear_dense keeps
+    its other paths."""
     torch.manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k).bfloat16(), (torch.randn(n, k) * 0.05).bfloat16()
     packed = kernel.pack_dense_bf16(w)
-    if not (kernel.amx_bf16() and n % 32 == 0 and k % 32 == 0):
+    if not (kernel.packed_bf16_rows() and n % 32 == 0 and k % 32 == 0):
         assert packed.numel() == 0
-        if not kernel.amx_bf16():
-            pytest.skip("no AMX tiles in this build or on this CPU")
+        if not kernel.packed_bf16_rows():
+            pytest.skip("no bfloat16 products (AMX tiles or AVX512-BF16) in this build or on this CPU")
         return
-    assert "__AMX_BF16__" in kernel.target_macros()
+    assert ("__AMX_BF16__" if kernel.amx_bf16() else "__AVX512BF16__") in kernel.target_macros()
     assert packed.shape == (n // 32, k // 32, 2, 16, 32)
     # column block b, input block kb, column tile t, input pair p, 2 c + e = W[32 b + 16 t + c, 32 kb + 2 p + e]
     assert packed[-1, 0, 1, 3, 2 * 5 + 1] == w[n - 32 + 16 + 5, 2 * 3 + 1]
@@ -242,12 +243,12 @@ def test_bfloat16_linear_on_amx_tiles(kernel, m, n, k):
 
 @pytest.mark.parametrize("m", [1, 16, 17, 33, 300])
 @pytest.mark.parametrize("inter,k", [(1536, 576), (16, 64), (48, 96), (40, 64)])
-def test_gated_amx_linear_is_silu_of_gate_times_up(kernel, m, inter, k):
+def test_gated_packed_linear_is_silu_of_gate_times_up(kernel, m, inter, k):
     """pack_dense_bf16(gated=True) of an MLP's [gate; up]: linear_dense returns silu(gate) * up,
     bit for bit what the unfused linear and silu_mul give (it rounds where they round). An
     intermediate size that is no multiple of 16 is not packed gated."""
-    if not kernel.amx_bf16():
-        pytest.skip("no AMX tiles in this build or on this CPU")
+    if not kernel.packed_bf16_rows():
+        pytest.skip("no bfloat16 products (AMX tiles or AVX512-BF16) in this build or on this CPU")
     torch.manual_seed(m * 1000 + inter)
     x, w = torch.randn(m, k).bfloat16(), (torch.randn(2 * inter, k) / 8).bfloat16()
     gated = kernel.pack_dense_bf16(w, gated=True)

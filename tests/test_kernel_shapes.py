@@ -180,8 +180,8 @@ def test_models_of_odd_shapes_match_the_torch_backend(kernel, request, checkpoin
         assert outputs == want_out
 
 
-def test_bfloat16_model_on_amx_tiles_follows_the_torch_backend(kernel, request, tmp_path):
-    """bfloat16 with every linear packed as AMX tiles (the MLP's gated, silu(gate) * up in the
+def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, request, tmp_path):
+    """bfloat16 with every linear packed in the tiles' VNNI form (the MLP's gated, silu(gate) * up in the
     kernel): the layer stack takes every step, prompts included, and each step's logits agree
     with the torch backend's in bfloat16 (both round to bfloat16 after each op, in other orders),
     up to the first greedy pick that differs."""
@@ -189,8 +189,8 @@ def test_bfloat16_model_on_amx_tiles_follows_the_torch_backend(kernel, request, 
 
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
-    if not kernel.amx_bf16():
-        pytest.skip("no AMX tiles in this build or on this CPU")
+    if not kernel.packed_bf16_rows():
+        pytest.skip("no bfloat16 products (AMX tiles or AVX512-BF16) in this build or on this CPU")
     path = build_tiny_checkpoint("llama", tmp_path, seed=7, vocab_size=1024)  # every N and K a multiple of 32
 
     def runner(backend: str) -> ModelRunner:
@@ -198,7 +198,7 @@ def test_bfloat16_model_on_amx_tiles_follows_the_torch_backend(kernel, request, 
                                         kernel_backend=backend, kernel_isa=request.node.callspec.params["kernel"]))
 
     fast = runner("cpu")
-    assert fast.model.layer_stack_rows == sys.maxsize
+    assert fast.model.layer_stack_rows == min(kernel.packed_bf16_rows(), sys.maxsize)
     assert all(layer.mlp.gate_up_proj.packed_gated for layer in fast.model.layers)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 17, 40)]

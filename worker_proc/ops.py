@@ -36,12 +36,15 @@ class Ops:
         # (it widens the weights to float32 per row tile, slower than widening them once for torch's
         # GEMM when rows are many: 0.4-0.7x at 32 rows on AVX2 / AVX-512 builds).
         self.half_rows = sys.maxsize if kernels is not None and kernels.half_products() else self.small_m_rows
+        # bfloat16 ones on pack_dense_bf16's weights: every count on AMX tiles, a few hundred with
+        # vdpbf16ps, 0 where nothing packs them.
+        self.packed_bf16_rows = min(kernels.packed_bf16_rows(), sys.maxsize) if kernels is not None else 0
 
     def dense_rows(self, dtype: torch.dtype, packed: bool = False) -> int:
         """Rows of x up to which dense linears of `dtype` take loom's kernel (`packed`: their
-        weights from pack_dense; bfloat16 ones are then AMX tiles, the kernel's at any row count)."""
+        weights from pack_dense; bfloat16 ones then take it up to packed_bf16_rows)."""
         if packed and dtype == torch.bfloat16:
-            return sys.maxsize
+            return max(self.packed_bf16_rows, self.dense_bf16_rows)
         return {torch.bfloat16: self.dense_bf16_rows, torch.float32: self.dense_f32_rows}.get(dtype, self.small_m_rows)
 
     # ---- normalisation, activation, rotary ----------------------------------------------------
@@ -96,7 +99,8 @@ class Ops:
 
     def pack_dense(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
         """weight in the layout dense_linear's kernel reads without repacking it per call (float32
-        on builds with the panel kernel, bfloat16 on AMX builds), or None where nothing would use it.
+        on builds with the panel kernel, bfloat16 on AMX or AVX512-BF16 builds), or None where nothing
+        would use it.
         gated: weight is an MLP's [gate; up], packed (where the kernel can) for silu_mul_linear."""
         if self.kernels is None or weight.device.type != "cpu":
             return None
@@ -122,7 +126,8 @@ class Ops:
     def silu_mul_linear(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of an MLP's fused [gate; up] linear: in its kernel's epilogue where the
         weights are packed for it (Linear.packed_gated), else the linear, then silu_mul."""
-        if getattr(gate_up, "packed_gated", False) and x.dtype == gate_up.weight.dtype:
+        if getattr(gate_up, "packed_gated", False) and x.dtype == gate_up.weight.dtype and \
+                self._small(x, self.packed_bf16_rows):
             return self.kernels.linear_dense(x, gate_up.weight, gate_up.packed)
         return self.silu_mul(gate_up(x))
 

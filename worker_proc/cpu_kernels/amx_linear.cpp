@@ -1,5 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T in bfloat16 on AMX tiles (Intel Xeon since Sapphire Rapids), for
-// every row count: decode steps and prompt chunks alike.
+// every row count: decode steps and prompt chunks alike; on AVX512-BF16 CPUs without AMX, the same
+// packed weights by vdpbf16ps up to kPackedDotRows rows (decode steps of a few dozen rows, where
+// oneDNN's GEMM streams the weights at a fraction of the products' rate).
 //
 // torch's bfloat16 GEMM (oneDNN) reaches AMX too, but re-lays the weights out on every call: on a
 // 2-core Xeon a 576 x 576 linear cost it ~35 us at any row count up to 32 (the weights' own stream
@@ -13,7 +15,7 @@
 //
 // Gated (pack_dense_bf16(w, gated=true), w = [gate; up] of an MLP, [2 I, K]): block b holds gate
 // columns 16 b.. in its first column tile and up columns 16 b.. in its second, one more dimension
-// marks it ([I / 16, K / 32, 2, 16, 16, 2]), and linear_amx_bf16 returns silu(gate) * up [M, I]
+// marks it ([I / 16, K / 32, 2, 16, 16, 2]), and linear_packed_bf16 returns silu(gate) * up [M, I]
 // from the sums in registers: no [M, 2 I] result to write and read back, no separate pass.
 //
 // Tiles: 0-3 sums (row tile i, column tile j -> tile 2 i + j, 16 x 16 float32 each), 4-5 rows of
@@ -23,6 +25,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -47,6 +51,84 @@ constexpr int64_t kBlockM = 2 * kTileRows;
 // weight comes from memory once a call, and x from L2/L3 once per group.
 constexpr int64_t kChunkM = 256;
 constexpr int64_t kGroupBytes = 256 << 10;
+// Rows up to which packed bfloat16 weights take vdpbf16ps where there are no AMX tiles; oneDNN's
+// GEMM (on its own reordered copy) takes more.
+constexpr int64_t kPackedDotRows = 256;
+
+#if defined(__AVX512BF16__)
+// rows x 32 float32 sums -> y (bf16, round to nearest even as torch rounds).
+inline void store_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_load_ps(sums + r * kBlockN), hi = _mm512_load_ps(sums + r * kBlockN + 16);
+    _mm512_storeu_si512(y + r * ldy, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// rows x (16 gate | 16 up) float32 sums -> silu(gate) * up, 16 bf16 columns, rounded where the
+// unfused ops round (the bf16 gate/up, silu, the product: fused_ops.cpp's silu_mul).
+inline void store_silu_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 gate = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN));
+    const __m512 up = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN + 16));
+    const loom::vf e = loom::vexp16(-reinterpret_cast<const loom::vf&>(gate));
+    const __m512 silu = loom::round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)e)));
+    loom::store16_bf16(y + r * ldy, _mm512_mul_ps(silu, up));
+  }
+}
+
+// One block of y without AMX: MR rows of x (row stride ldx) x 32 columns (packed block w) over
+// all K, into sums [MR][32] float32. Each k pair's two 64-byte rows of the block (16 columns x 2
+// inputs: the tiles' VNNI form) meet a broadcast pair of each row's x in vdpbf16ps: 2 MR sums in
+// registers, no horizontal sums, W read once per MR rows.
+// Fetches the next group of W into L2 a few lines per step of the current group's passes, so its
+// first pass (from memory) overlaps the compute of the rows before it.
+struct GroupPrefetch {
+  const char* next;
+  const char* end;
+  int64_t lines_per_step;
+  inline void step() {
+    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+template <int MR>
+inline void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k, float* sums,
+                      GroupPrefetch& prefetch) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < k / kBlockK; ++kb) {
+    prefetch.step();
+    const at::BFloat16* wk = w + kb * kBlockK * kBlockN;
+    const at::BFloat16* xk = x + kb * kBlockK;
+    for (int64_t p = 0; p < kTileRows; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk + p * kBlockK);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + (kTileRows + p) * kBlockK);
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xk + r * ldx + 2 * p, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_store_ps(sums + r * kBlockN, acc[r][0]);
+    _mm512_store_ps(sums + r * kBlockN + kTileRows, acc[r][1]);
+  }
+}
+
+constexpr int kDotRows = 12;  // rows a dot_block holds: 24 sums + 2 W rows + a broadcast of 32 registers
+
+template <int MR>
+void dot_rows_upto(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k, int64_t rows, float* sums,
+                   GroupPrefetch& prefetch) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return dot_rows_upto<MR - 1>(x, ldx, w, k, rows, sums, prefetch);
+  }
+  dot_block<MR>(x, ldx, w, k, sums, prefetch);
+}
+#endif
 
 #if defined(LOOM_AMX)
 // Linux hands out the AMX tile state only to a process that asks for it (arch_prctl
@@ -98,26 +180,6 @@ inline void tile_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w
   }
 }
 
-// rows x 32 float32 sums -> y (bf16, round to nearest even as torch rounds).
-inline void store_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 lo = _mm512_load_ps(sums + r * kBlockN), hi = _mm512_load_ps(sums + r * kBlockN + 16);
-    _mm512_storeu_si512(y + r * ldy, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
-// rows x (16 gate | 16 up) float32 sums -> silu(gate) * up, 16 bf16 columns, rounded where the
-// unfused ops round (the bf16 gate/up, silu, the product: fused_ops.cpp's silu_mul).
-inline void store_silu_rows(const float* sums, int64_t rows, at::BFloat16* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 gate = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN));
-    const __m512 up = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN + 16));
-    const loom::vf e = loom::vexp16(-reinterpret_cast<const loom::vf&>(gate));
-    const __m512 silu = loom::round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)e)));
-    loom::store16_bf16(y + r * ldy, _mm512_mul_ps(silu, up));
-  }
-}
-
 void block_rows(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t rows, bool gated, at::BFloat16* y,
                 int64_t n, float* sums) {
   if (rows > kTileRows)
@@ -141,10 +203,19 @@ bool amx_bf16() {
 #endif
 }
 
+int64_t packed_bf16_rows() {
+  if (amx_bf16()) return std::numeric_limits<int64_t>::max();
+#if defined(__AVX512BF16__)
+  return kPackedDotRows;
+#else
+  return 0;
+#endif
+}
+
 torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
   const int64_t n = w.size(0), k = w.size(1), half = n / 2;
-  if (!amx_bf16() || w.scalar_type() != torch::kBFloat16 || n % kBlockN || k % kBlockK || n == 0 || k == 0 ||
+  if (!packed_bf16_rows() || w.scalar_type() != torch::kBFloat16 || n % kBlockN || k % kBlockK || n == 0 || k == 0 ||
       (gated && half % kTileRows))
     return torch::empty({0}, w.options());
   auto out = torch::empty({n / kBlockN, k / kBlockK, 2, kTileRows, kBlockK}, w.options());
@@ -167,7 +238,7 @@ torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated) {
   return gated ? out.view({n / kBlockN, k / kBlockK, 2, kTileRows, kTileRows, 2}) : out;
 }
 
-torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
+torch::Tensor linear_packed_bf16(torch::Tensor x_in, torch::Tensor packed) {
   const bool gated = packed.dim() == 6;
   const std::vector<int64_t> tile_row = gated ? std::vector<int64_t>{kTileRows, 2} : std::vector<int64_t>{kBlockK};
   TORCH_CHECK((packed.dim() == 5 || gated) && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
@@ -178,8 +249,7 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
   const int64_t n = blocks * block_cols;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && x_in.scalar_type() == torch::kBFloat16,
               "x must be bfloat16 [M, K] with the packed weights' K");
-#if defined(LOOM_AMX)
-  TORCH_CHECK(amx_bf16(), "this process may not use AMX tiles");
+#if defined(__AVX512BF16__)
   auto x = x_in.contiguous();
   const int64_t m = x.size(0);
   auto out = torch::empty({m, n}, x.options());
@@ -187,6 +257,34 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  if (!amx_bf16()) {
+    // Threads split the column blocks; each walks them a group (~kGroupBytes of W, kept in L2)
+    // at a time under all rows, kDotRows at a time: W comes from memory once a call.
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      alignas(64) float sums[kDotRows * kBlockN];
+      const int64_t group = std::max<int64_t>(1, kGroupBytes / (k * kBlockN * sizeof(at::BFloat16)));
+      const int64_t block_bytes = k * kBlockN * sizeof(at::BFloat16), row_blocks = (m + kDotRows - 1) / kDotRows;
+      for (int64_t g0 = b0; g0 < b1; g0 += group) {
+        const int64_t g1 = std::min(b1, g0 + group), next_end = std::min(b1, g1 + group);
+        const int64_t steps = row_blocks * (g1 - g0) * (k / kBlockK), lines = (next_end - g1) * block_bytes / 64;
+        GroupPrefetch prefetch{reinterpret_cast<const char*>(wp + g1 * k * kBlockN),
+                               reinterpret_cast<const char*>(wp + next_end * k * kBlockN), (lines + steps - 1) / steps};
+        for (int64_t r = 0; r < m; r += kDotRows) {
+          const int64_t rows = std::min<int64_t>(kDotRows, m - r);
+          for (int64_t b = g0; b < g1; ++b) {
+            dot_rows_upto<kDotRows>(xp + r * k, k, wp + b * k * kBlockN, k, rows, sums, prefetch);
+            if (gated)
+              store_silu_rows(sums, rows, y + r * n + b * block_cols, n);
+            else
+              store_rows(sums, rows, y + r * n + b * block_cols, n);
+          }
+        }
+      }
+    });
+    return out;
+  }
+#endif
+#if defined(LOOM_AMX)
   const int64_t full_rows = m / kBlockM * kBlockM;
   // Threads split the column blocks; each walks them a group (~kGroupBytes of W) at a time, and
   // each group in chunks of rows: full 32-row blocks, then the last partial one (its own tile
@@ -215,6 +313,6 @@ torch::Tensor linear_amx_bf16(torch::Tensor x_in, torch::Tensor packed) {
   });
   return out;
 #else
-  TORCH_CHECK(false, "linear_amx_bf16: this build has no AMX tiles");
+  TORCH_CHECK(false, "linear_packed_bf16: this build has no bfloat16 products");
 #endif
 }

@@ -53,8 +53,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("packed") = pybind11::none());
   m.def("pack_dense_f32", &pack_dense_f32, "float32 weights [N, K] in the panels of linear_dense (empty where unused)");
   m.def("pack_dense_bf16", &pack_dense_bf16,
-        "bfloat16 weights [N, K] as AMX tiles for linear_dense (empty where unused); gated: [gate; up], and linear_dense returns silu(gate) * up",
+        "bfloat16 weights [N, K] in AMX tiles' VNNI form for linear_dense (empty where unused); gated: [gate; up], and linear_dense returns silu(gate) * up",
         pybind11::arg("w"), pybind11::arg("gated") = false);
+  m.def("packed_bf16_rows", &packed_bf16_rows, "rows of x up to which linear_dense takes pack_dense_bf16's weights (0: never packed)");
   m.def("amx_bf16", &amx_bf16, "whether this build multiplies bfloat16 linears on AMX tiles (and the OS allows them)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights (as quantized or from pack_int8) with per-row scales");
   m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's integer kernel");

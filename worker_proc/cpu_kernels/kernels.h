@@ -24,12 +24,14 @@ void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, to
 // packed: pack_dense_f32(w) (or empty / none: the kernel packs what it needs per call).
 torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> packed = std::nullopt);
 torch::Tensor pack_dense_f32(torch::Tensor w);
-// bfloat16 on AMX tiles (amx_linear.cpp): pack_dense_bf16 lays W [N, K] out for
-// linear_amx_bf16 (empty where the build or the OS gives no AMX, or N or K is not a multiple of 32);
-// gated: W is an MLP's [gate; up] and linear_amx_bf16 returns silu(gate) * up.
+// bfloat16 on AMX tiles, or vdpbf16ps without them (amx_linear.cpp): pack_dense_bf16 lays W [N, K]
+// out for linear_packed_bf16 (empty where the build has neither, or N or K is not a multiple of 32);
+// gated: W is an MLP's [gate; up] and linear_packed_bf16 returns silu(gate) * up. packed_bf16_rows:
+// the rows of x up to which the packed kernel beats torch's GEMM (every count on AMX; 0: no packing).
 bool amx_bf16();
+int64_t packed_bf16_rows();
 torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated = false);
-torch::Tensor linear_amx_bf16(torch::Tensor x, torch::Tensor packed);
+torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor pack_int8(torch::Tensor w);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
