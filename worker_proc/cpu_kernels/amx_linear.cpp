@@ -76,10 +76,6 @@ inline void store_silu_rows(const float* sums, int64_t rows, at::BFloat16* y, in
   }
 }
 
-// One block of y without AMX: MR rows of x (row stride ldx) x 32 columns (packed block w) over
-// all K, into sums [MR][32] float32. Each k pair's two 64-byte rows of the block (16 columns x 2
-// inputs: the tiles' VNNI form) meet a broadcast pair of each row's x in vdpbf16ps: 2 MR sums in
-// registers, no horizontal sums, W read once per MR rows.
 // Fetches the next group of W into L2 a few lines per step of the current group's passes, so its
 // first pass (from memory) overlaps the compute of the rows before it.
 struct GroupPrefetch {
@@ -91,6 +87,10 @@ struct GroupPrefetch {
   }
 };
 
+// One block of y without AMX: MR rows of x (row stride ldx) x 32 columns (packed block w) over
+// all K, into sums [MR][32] float32. Each k pair's two 64-byte rows of the block (16 columns x 2
+// inputs: the tiles' VNNI form) meet a broadcast pair of each row's x in vdpbf16ps: 2 MR sums in
+// registers, no horizontal sums, W read once per MR rows.
 template <int MR>
 inline void dot_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k, float* sums,
                       GroupPrefetch& prefetch) {
