@@ -10,15 +10,20 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _gemm_seconds(dtype: torch.dtype, m: int = 256, k: int = 576, n: int = 1536, reps: int = 8) -> float:
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    torch.nn.functional.linear(a, b)  # warm-up (kernel selection, packing)
+def best_seconds(fn, reps: int = 8) -> float:
+    """The fastest of `reps` calls of fn after one warm-up call (kernel selection, packing)."""
+    fn()
     best = float("inf")
     for _ in range(reps):
-        t = time.perf_counter()
-        torch.nn.functional.linear(a, b)
-        best = min(best, time.perf_counter() - t)
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
     return best
+
+
+def _gemm_seconds(dtype: torch.dtype, m: int = 256, k: int = 576, n: int = 1536) -> float:
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    return best_seconds(lambda: torch.nn.functional.linear(a, b))
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> tuple[torch.dtype, str]:

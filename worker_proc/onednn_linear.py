@@ -10,9 +10,10 @@ where it does not keeps `F.linear`."""
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
+
+from worker_proc.dtype_probe import best_seconds
 
 # The row count oneDNN picks the weight layout for; the layout serves any count (decode batches of
 # a few dozen rows and prompt chunks of a thousand ran within noise of a layout picked for each).
@@ -33,16 +34,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _best_seconds(fn, reps: int = 8) -> float:
-    fn()  # warm-up (primitive creation)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @functools.cache
 def pays(dtype: torch.dtype, m: int = LAYOUT_ROWS, k: int = 576, n: int = 1536) -> bool:
     """Whether a model-shaped product on a reordered weight beats `F.linear` on this CPU."""
@@ -51,7 +42,7 @@ def pays(dtype: torch.dtype, m: int = LAYOUT_ROWS, k: int = 576, n: int = 1536) 
     x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     try:
         packed = pack(w)
-        reordered = _best_seconds(lambda: linear(x, packed, None))
+        reordered = best_seconds(lambda: linear(x, packed, None))
     except RuntimeError:  # a build whose oneDNN lacks this dtype's primitive
         return False
-    return reordered < _best_seconds(lambda: torch.nn.functional.linear(x, w))
+    return reordered < best_seconds(lambda: torch.nn.functional.linear(x, w))
