@@ -674,16 +674,62 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const KV
 
 #ifdef __AVX512BF16__
 // attend_decode for bfloat16 on CPUs with AVX512-BF16: the products take bf16 pairs straight from
-// the pool (vdpbf16ps: 32 multiply-adds, no widening). Scores pair adjacent head dims; the
-// probability-weighted V sum pairs two tokens, so V rows are interleaved two by two and the
-// probabilities rounded to bf16 (as GPU flash-attention kernels round P). Lanes of the V sums
-// come out permuted within each 128-bit block; the store undoes that.
+// the pool (vdpbf16ps: 32 multiply-adds, no widening). Per block of 64 cached tokens, one query
+// head at a time: its scores over the block (16 tokens' partial sums in registers, then one
+// transpose_sum; the head's K rows come from L1 after the first head of their kv head), an online
+// softmax per head, then the values of each kv head's query heads with their sums in registers
+// (value_rows_dpbf16). Keeping every head's sums at once spilled them: two stores a token per head.
+// Scores pair adjacent head dims; the V sums pair two tokens, so V rows are interleaved two by two
+// and the probabilities rounded to bf16 (as GPU flash-attention kernels round P). Lanes of the V
+// sums come out permuted within each 128-bit block; the store undoes that.
+constexpr int64_t kDpbf16Block = 64;  // cached tokens per online-softmax update
+
+// acc[r] += sum_i prob[r][i] v_i over the block's nb (padded to even) tokens for R query heads
+// of one kv head (V at slot + v_off), R x NV sums in registers.
+template <int R, int NV>
+inline void value_rows_dpbf16(__m512 (*acc)[NV], const uint16_t (*prob)[kDpbf16Block],
+                              const c10::BFloat16* const* slot, int64_t v_off, int64_t nb) {
+  constexpr int NB = NV / 2;
+  __m512 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = acc[r][j];
+  for (int64_t i = 0; i < nb; i += 2) {
+    const c10::BFloat16 *v0 = slot[i] + v_off, *v1 = slot[i + 1] + v_off;
+    __m512i lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i x = _mm512_loadu_si512(v0 + b * 32), y = _mm512_loadu_si512(v1 + b * 32);
+      lo[b] = _mm512_unpacklo_epi16(x, y);
+      hi[b] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, prob[r] + i, 4);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int b = 0; b < NB; ++b) {
+        a[r][2 * b] = _mm512_dpbf16_ps(a[r][2 * b], (__m512bh)lo[b], w);
+        a[r][2 * b + 1] = _mm512_dpbf16_ps(a[r][2 * b + 1], (__m512bh)hi[b], w);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = a[r][j];
+}
+
+// value_rows_dpbf16 over `count` heads, R at a time (then fewer).
+template <int R, int NV>
+inline void value_heads_dpbf16(__m512 (*acc)[NV], const uint16_t (*prob)[kDpbf16Block],
+                               const c10::BFloat16* const* slot, int64_t v_off, int64_t nb, int64_t count) {
+  for (; count >= R; count -= R, acc += R, prob += R) value_rows_dpbf16<R, NV>(acc, prob, slot, v_off, nb);
+  if constexpr (R > 1)
+    if (count) value_heads_dpbf16<R - 1, NV>(acc, prob, slot, v_off, nb, count);
+}
+
 template <int NV>
 void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
                           float* partial) {
-  constexpr int64_t D = NV * kLanes;
-  constexpr int NB = NV / 2;       // 32-element bf16 vectors per head row
-  constexpr int64_t kBlock = 64;  // tokens per online-softmax update
+  constexpr int64_t D = NV * kLanes, kBlock = kDpbf16Block;
+  constexpr int NB = NV / 2;                   // 32-element bf16 vectors per head row
+  constexpr int R = NV <= 2 ? 8 : 12 / NV;     // heads whose V sums share registers (NV x R of them)
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, len = task.first_token + task.num_tokens, token = p.token_starts[row];
   const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
@@ -691,45 +737,54 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
   constexpr float kInf = std::numeric_limits<float>::infinity();
   auto load_bh = [](const c10::BFloat16* src) { return (__m512bh)_mm512_loadu_si512(src); };
 
-  __m512bh qs[kMaxHeads][NB];
   __m512 acc[kMaxHeads][NV];  // [2b] and [2b + 1]: the two permuted halves of bf16 vector b
-  vf part[kMaxHeads][kLanes];
   alignas(64) float scores[kMaxHeads][kBlock];
   alignas(64) uint16_t prob[kMaxHeads][kBlock];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
+  // the block's slots; past its end, its last one again (scored -inf, probability 0)
+  const c10::BFloat16* slot[kBlock];
   for (int64_t h = 0; h < H; ++h) {
-    for (int b = 0; b < NB; ++b) qs[h][b] = load_bh(q + token * p.q_row_stride + h * D + b * 32);
     for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_setzero_ps();
     run_max[h] = -kInf;
     run_sum[h] = 0.f;
   }
+  for (int64_t i = begin; i < std::min(len, begin + kBlock); ++i) prefetch_slot(kv + slots[i] * p.kv_slot_stride, slot_bytes);
+  // the next block's lines are fetched a share per 16 tokens of every head's scores, so that
+  // the memory stays busy while this block is computed (all at once overran the miss queues)
+  const int64_t slot_lines = slot_bytes / 64;
+  int64_t fetch_slot = 0, fetch_line = 0, fetch_end = 0, fetch_share = 0;
+  auto fetch_ahead = [&](int64_t lines) {
+    for (; lines > 0 && fetch_slot < fetch_end; --lines) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kv + slots[fetch_slot] * p.kv_slot_stride) + fetch_line * 64, 0, 2);
+      if (++fetch_line == slot_lines) fetch_line = 0, ++fetch_slot;
+    }
+  };
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t t0 = begin; t0 < len; t0 += kBlock) {
-    const int64_t nb = std::min(kBlock, len - t0);
-    // scores of the block, 16 tokens per transpose; tokens past the end score -inf
-    for (int64_t s0 = 0; s0 < nb; s0 += kLanes) {
-      const int64_t n = std::min<int64_t>(kLanes, nb - s0);
-      for (int64_t i = 0; i < n; ++i) {
-        if (t0 + s0 + i + kDecodeAhead < len) prefetch_slot(kv + slots[t0 + s0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
-        const c10::BFloat16* k = kv + slots[t0 + s0 + i] * p.kv_slot_stride;
-        for (int64_t kh = 0; kh < KVH; ++kh) {
-          __m512bh kr[NB];
-          for (int b = 0; b < NB; ++b) kr[b] = load_bh(k + kh * D + b * 32);
-          for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qs[h][0], kr[0]);
-            for (int b = 1; b < NB; ++b) s = _mm512_dpbf16_ps(s, qs[h][b], kr[b]);
-            part[h][i] = reinterpret_cast<vf>(s);
+    const int64_t nb = std::min(kBlock, len - t0), padded = (nb + kLanes - 1) / kLanes * kLanes;
+    for (int64_t i = 0; i < kBlock; ++i) slot[i] = kv + slots[t0 + std::min(i, nb - 1)] * p.kv_slot_stride;
+    fetch_ahead(std::numeric_limits<int64_t>::max());  // (what the last block left)
+    fetch_slot = t0 + kBlock, fetch_line = 0, fetch_end = std::min(len, t0 + 2 * kBlock);
+    const int64_t groups = H * ((nb + kLanes - 1) / kLanes);
+    fetch_share = ((fetch_end - fetch_slot) * slot_lines + groups - 1) / std::max<int64_t>(groups, 1);
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+        __m512bh qh[NB];
+        for (int b = 0; b < NB; ++b) qh[b] = load_bh(q + token * p.q_row_stride + h * D + b * 32);
+        for (int64_t s0 = 0; s0 < nb; s0 += kLanes) {
+          fetch_ahead(fetch_share);
+          vf part[kLanes];
+          for (int i = 0; i < kLanes; ++i) {
+            const c10::BFloat16* k = slot[s0 + i] + kh * D;
+            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[0], load_bh(k));
+            for (int b = 1; b < NB; ++b) s = _mm512_dpbf16_ps(s, qh[b], load_bh(k + b * 32));
+            part[i] = reinterpret_cast<vf>(s);
           }
+          const vi valid = iota < static_cast<int32_t>(nb - s0);
+          const vf s = valid ? transpose_sum(part) * p.scale : splat(-kInf);
+          std::memcpy(scores[h] + s0, &s, sizeof(s));
         }
       }
-      const vi valid = iota < static_cast<int32_t>(n);
-      for (int64_t h = 0; h < H; ++h) {
-        for (int64_t i = n; i < kLanes; ++i) part[h][i] = vf{};
-        const vf s = valid ? transpose_sum(part[h]) * p.scale : splat(-kInf);
-        std::memcpy(scores[h] + s0, &s, sizeof(s));
-      }
-    }
-    const int64_t padded = (nb + kLanes - 1) / kLanes * kLanes;
     for (int64_t h = 0; h < H; ++h) {
       __m512 mv = _mm512_set1_ps(-kInf);
       for (int64_t s0 = 0; s0 < padded; s0 += kLanes) mv = _mm512_max_ps(mv, _mm512_load_ps(scores[h] + s0));
@@ -752,28 +807,8 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
       }
       run_sum[h] += _mm512_reduce_add_ps(reinterpret_cast<__m512>(sum));
     }
-    // acc += p * v, two tokens per dpbf16 (an odd last token pairs with itself at probability 0)
-    for (int64_t i = 0; i < nb; i += 2) {
-      const c10::BFloat16* v0 = kv + slots[t0 + i] * p.kv_slot_stride + KVH * D;
-      const c10::BFloat16* v1 = i + 1 < nb ? kv + slots[t0 + i + 1] * p.kv_slot_stride + KVH * D : v0;
-      for (int64_t kh = 0; kh < KVH; ++kh) {
-        __m512i lo[NB], hi[NB];
-        for (int b = 0; b < NB; ++b) {
-          const __m512i a = _mm512_loadu_si512(v0 + kh * D + b * 32), c = _mm512_loadu_si512(v1 + kh * D + b * 32);
-          lo[b] = _mm512_unpacklo_epi16(a, c);
-          hi[b] = _mm512_unpackhi_epi16(a, c);
-        }
-        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-          uint32_t pair;
-          std::memcpy(&pair, prob[h] + i, 4);
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          for (int b = 0; b < NB; ++b) {
-            acc[h][2 * b] = _mm512_dpbf16_ps(acc[h][2 * b], (__m512bh)lo[b], w);
-            acc[h][2 * b + 1] = _mm512_dpbf16_ps(acc[h][2 * b + 1], (__m512bh)hi[b], w);
-          }
-        }
-      }
-    }
+    for (int64_t kh = 0; kh < KVH; ++kh)  // (an odd last token pairs with the slot after it at probability 0)
+      value_heads_dpbf16<R, NV>(acc + kh * G, prob + kh * G, slot, (KVH + kh) * D, nb, G);
   }
   for (int64_t h = 0; h < H; ++h) {
     alignas(64) float lo[16], hi[16];
@@ -794,15 +829,7 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define LOOM_AMX_ATTENTION 1
-// Prompt tiles in bfloat16 on AMX (q and the pool both bf16, D a multiple of 64): the scores
-// S = Q K^T and the output P V are tile products (tdpbf16ps), float32 sums. Per block of 32 keys,
-// K^T takes the VNNI form by 16 x 16 transposes of 32-bit pairs and V by interleaving the rows of
-// token pairs; the softmax between the two passes is attend_tile's, its probabilities rounded to
-// bf16 (as the bf16 decode path and GPU flash-attention kernels round P). The output lanes of the
-// V tiles come out permuted within 128-bit blocks (the interleave); the store undoes that.
-
+#ifdef __AVX512BF16__
 // rows r[0..15] of 16 32-bit elements -> r[c] = element c of every row
 inline void transpose_16x16(__m512i r[16]) {
   __m512i t[16], u[16];
@@ -865,8 +892,151 @@ inline float exp_row_bf16(const float* s, int64_t padded, int64_t len, float sca
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
-constexpr int64_t kAmxTaskTokens = 16;  // query tokens per AMX prompt task (all their heads: rows of 16-row tiles)
+constexpr int64_t kBf16TaskTokens = 16;  // query tokens per bf16 prompt task (AMX or vdpbf16ps; all their heads)
 
+// Prompt tiles in bfloat16 with vdpbf16ps, for CPUs with AVX512-BF16 but no AMX (q and the pool
+// both bf16, D of 64 or 128): attend_tile_amx's blocks (K^T and V in VNNI form per 32 keys, the
+// same softmax) with register tiles in place of AMX tiles. Scores: 12 rows x 32 keys of sums in
+// registers, each K^T pair row loaded once for the 12 rows, q pairs broadcast. Output: 6 rows x 64
+// dims of sums, each V pair row loaded once for the 6 rows, probability pairs broadcast.
+constexpr int kScoreTileRows = 12, kValueTileRows = 6;
+
+template <int64_t D>
+void attend_tile_dpbf16(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
+                        c10::BFloat16* out) {
+  constexpr int64_t kKeys = 32;   // keys per block (two 16-key halves)
+  constexpr int64_t KS = D / 32;  // 32-dim steps of a score
+  const int64_t G = p.group, H = p.num_heads;
+  const int64_t rows = task.num_tokens * G;
+  const int64_t padded_rows = (rows + kScoreTileRows - 1) / kScoreTileRows * kScoreTileRows;
+  const int64_t first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
+  const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
+  const int64_t tile_len = first_pos + task.first_token + task.num_tokens;  // seen by the last token
+  const int64_t padded = (tile_len + kKeys - 1) / kKeys * kKeys, blocks = padded / kKeys;
+  const int64_t k_off = task.kv_head * D, v_off = (p.num_kv_heads + task.kv_head) * D;
+  auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
+  auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
+  auto key = [&](int64_t t, int64_t off) { return kv + slots[t] * p.kv_slot_stride + off; };
+
+  // per thread: q rows (zero past `rows`), scores, bf16 probabilities, V of every block in VNNI form
+  thread_local std::vector<c10::BFloat16> q_buf;
+  thread_local std::vector<float> scores_buf, inv_sum_buf;
+  thread_local std::vector<uint16_t> probs_buf;
+  thread_local std::vector<__m512i> v_buf;
+  q_buf.assign(padded_rows * D, c10::BFloat16(0.f));
+  if (scores_buf.size() < static_cast<size_t>(padded_rows * padded)) {
+    scores_buf.resize(padded_rows * padded);
+    probs_buf.resize(padded_rows * padded);
+  }
+  if (v_buf.size() < static_cast<size_t>(blocks * 4 * 16)) v_buf.resize(blocks * 4 * 16);
+  if (inv_sum_buf.size() < static_cast<size_t>(rows)) inv_sum_buf.resize(rows);
+  float* scores = scores_buf.data();
+  uint16_t* probs = probs_buf.data();
+  float* inv_sum = inv_sum_buf.data();
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(q_buf.data() + r * D, q + token_of(r) * p.q_row_stride + head_of(r) * D, D * sizeof(c10::BFloat16));
+  const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_buf.data());  // row r: D / 2 pairs
+
+  // S = Q K^T, a block of 32 keys at a time, each block's K^T shared by every row tile
+  alignas(64) __m512i kt[KS][2][16];
+  for (int64_t t0 = 0; t0 < tile_len; t0 += kKeys) {
+    for (int64_t half = 0; half < 2; ++half)
+      for (int64_t s = 0; s < KS; ++s) {
+        __m512i* r = kt[s][half];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t t = t0 + half * 16 + i;
+          r[i] = t < tile_len ? _mm512_loadu_si512(key(t, k_off) + s * 32) : _mm512_setzero_si512();
+        }
+        transpose_16x16(r);  // row j: dims 2j, 2j + 1 of 16 keys
+      }
+    for (int64_t i0 = 0; i0 < padded_rows; i0 += kScoreTileRows) {
+      __m512 acc[kScoreTileRows][2];
+      for (int r = 0; r < kScoreTileRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int64_t s = 0; s < KS; ++s)
+        for (int j = 0; j < 16; ++j) {
+          const __m512bh k0 = (__m512bh)kt[s][0][j], k1 = (__m512bh)kt[s][1][j];
+#pragma GCC unroll 12
+          for (int r = 0; r < kScoreTileRows; ++r) {
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[(i0 + r) * (D / 2) + s * 16 + j]));
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qp, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qp, k1);
+          }
+        }
+      for (int r = 0; r < kScoreTileRows; ++r) {
+        _mm512_storeu_ps(scores + (i0 + r) * padded + t0, acc[r][0]);
+        _mm512_storeu_ps(scores + (i0 + r) * padded + t0 + 16, acc[r][1]);
+      }
+    }
+  }
+
+  // softmax numerators of each row over the keys it sees, into bf16 probabilities (0 past them
+  // and in the padding rows); the output rows are divided by their sums as they are stored
+  std::memset(probs + rows * padded, 0, (padded_rows - rows) * padded * sizeof(uint16_t));
+  for (int64_t r = 0; r < rows; ++r)
+    inv_sum[r] = exp_row_bf16(scores + r * padded, padded, first_pos + task.first_token + r / G + 1, p.scale,
+                              probs + r * padded);
+  const uint32_t* prob_pairs = reinterpret_cast<const uint32_t*>(probs);  // row r: padded / 2 pairs
+
+  // O = P V, 64 dims at a time: V of every block in VNNI form, then each 6-row tile
+  const __m512i first_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i last_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      __m512i* vt = v_buf.data() + blk * 4 * 16;  // [4][16 pairs]: pair row holds keys 2 pair, 2 pair + 1
+      for (int64_t pair = 0; pair < 16; ++pair) {
+        const int64_t t = blk * kKeys + 2 * pair;
+        for (int64_t b = 0; b < 2; ++b) {
+          const __m512i x = t < tile_len ? _mm512_loadu_si512(key(t, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
+          const __m512i y = t + 1 < tile_len ? _mm512_loadu_si512(key(t + 1, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
+          vt[2 * b * 16 + pair] = _mm512_unpacklo_epi16(x, y);
+          vt[(2 * b + 1) * 16 + pair] = _mm512_unpackhi_epi16(x, y);
+        }
+      }
+    }
+    for (int64_t i0 = 0; i0 < rows; i0 += kValueTileRows) {
+      __m512 acc[kValueTileRows][4];
+      for (int r = 0; r < kValueTileRows; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const __m512i* vt = v_buf.data() + blk * 4 * 16;
+        for (int pair = 0; pair < 16; ++pair) {
+          const __m512bh v0 = (__m512bh)vt[pair], v1 = (__m512bh)vt[16 + pair], v2 = (__m512bh)vt[32 + pair],
+                         v3 = (__m512bh)vt[48 + pair];
+#pragma GCC unroll 6
+          for (int r = 0; r < kValueTileRows; ++r) {
+            const __m512bh w =
+                (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[(i0 + r) * (padded / 2) + blk * 16 + pair]));
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v0, w);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v1, w);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], v2, w);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], v3, w);
+          }
+        }
+      }
+      // sum 2 b + h, lane 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
+      for (int64_t rr = 0; rr < kValueTileRows && i0 + rr < rows; ++rr) {
+        const int64_t r = i0 + rr;
+        c10::BFloat16* dst = out + (token_of(r) * H + head_of(r)) * D + d0;
+        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        for (int64_t b = 0; b < 2; ++b) {
+          const __m512 lo = _mm512_mul_ps(acc[rr][2 * b], inv), hi = _mm512_mul_ps(acc[rr][2 * b + 1], inv);
+          _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, last_dims, hi),
+                                                                         _mm512_permutex2var_ps(lo, first_dims, hi)));
+        }
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LOOM_AMX_ATTENTION 1
+// Prompt tiles in bfloat16 on AMX (q and the pool both bf16, D a multiple of 64): the scores
+// S = Q K^T and the output P V are tile products (tdpbf16ps), float32 sums. Per block of 32 keys,
+// K^T takes the VNNI form by 16 x 16 transposes of 32-bit pairs and V by interleaving the rows of
+// token pairs; the softmax between the two passes is attend_tile's, its probabilities rounded to
+// bf16 (as the bf16 decode path and GPU flash-attention kernels round P). The output lanes of the
+// V tiles come out permuted within 128-bit blocks (the interleave); the store undoes that.
 template <int64_t D>
 void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
                      c10::BFloat16* out) {
@@ -1256,11 +1426,17 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
         if (amx && D == 128) { attend_tile_amx<128>(p, task, q, kv, out); continue; }
       }
 #endif
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
+        if (D == 64) { attend_tile_dpbf16<64>(p, task, q, kv, out); continue; }
+        if (D == 128) { attend_tile_dpbf16<128>(p, task, q, kv, out); continue; }
+      }
+#endif
       if (p.group > kTileRows) {
         attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
         continue;
       }
-      // (a task planned for the AMX path runs here as several tiles of this path's size)
+      // (a task planned for the bf16 paths runs here as several tiles of this path's size)
       const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / p.group);
       for (int64_t first = task.first_token; first < task.first_token + task.num_tokens; first += tile_tokens) {
         const Task tile{task.row, task.kv_head, first, std::min(tile_tokens, task.first_token + task.num_tokens - first)};
@@ -1350,11 +1526,12 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   // Tiles of as many tokens as fit kTileRows query-head rows (at least one token; a larger group
   // takes the generic path, a token at a time).
   int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
-#if defined(LOOM_AMX_ATTENTION)
-  // bfloat16 pools on AMX (bf16 q, as the model's dtype): larger tasks share each key block's
-  // conversion across their row tiles (other paths split them back, attend)
-  if (kv.scalar_type() == torch::kBFloat16 && amx_bf16() && (D == 64 || D == 128) && group <= kMaxTileRows)
-    tile_tokens = kAmxTaskTokens;
+#if defined(__AVX512BF16__)
+  // bfloat16 pools with bf16 products (AMX tiles or vdpbf16ps; a bf16 q, as the model's dtype):
+  // larger tasks share each key block's conversion across their row tiles (attend splits them
+  // back where q is float32)
+  if (kv.scalar_type() == torch::kBFloat16 && (D == 64 || D == 128) && group <= kMaxTileRows)
+    tile_tokens = kBf16TaskTokens;
 #endif
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
   std::vector<Task>& tasks = plan->tasks;
