@@ -36,8 +36,8 @@ class Ops:
         # (it widens the weights to float32 per row tile, slower than widening them once for torch's
         # GEMM when rows are many: 0.4-0.7x at 32 rows on AVX2 / AVX-512 builds).
         self.half_rows = sys.maxsize if kernels is not None and kernels.half_products() else self.small_m_rows
-        # bfloat16 ones on pack_dense_bf16's weights: every count on AMX tiles, a few hundred with
-        # vdpbf16ps, 0 where nothing packs them.
+        # bfloat16 ones on pack_dense_bf16's weights: every count (AMX tiles or vdpbf16ps), 0 where
+        # nothing packs them.
         self.packed_bf16_rows = min(kernels.packed_bf16_rows(), sys.maxsize) if kernels is not None else 0
 
     def dense_rows(self, dtype: torch.dtype, packed: bool = False) -> int:

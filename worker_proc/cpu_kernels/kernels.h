@@ -27,7 +27,7 @@ torch::Tensor pack_dense_f32(torch::Tensor w);
 // bfloat16 on AMX tiles, or vdpbf16ps without them (amx_linear.cpp): pack_dense_bf16 lays W [N, K]
 // out for linear_packed_bf16 (empty where the build has neither, or N or K is not a multiple of 32);
 // gated: W is an MLP's [gate; up] and linear_packed_bf16 returns silu(gate) * up. packed_bf16_rows:
-// the rows of x up to which the packed kernel beats torch's GEMM (every count on AMX; 0: no packing).
+// the rows of x up to which the packed kernel is used (every count where it builds; 0: no packing).
 bool amx_bf16();
 int64_t packed_bf16_rows();
 torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated = false);
