@@ -896,52 +896,66 @@ inline float exp_row_bf16(const float* s, int64_t padded, int64_t len, float sca
 
 constexpr int64_t kBf16TaskTokens = 16;  // query tokens per bf16 prompt task (AMX or vdpbf16ps; all their heads)
 
-// Prompt tiles in bfloat16 with vdpbf16ps, for CPUs with AVX512-BF16 but no AMX (q and the pool
-// both bf16, D of 64 or 128): attend_tile_amx's blocks (K^T and V in VNNI form per 32 keys, the
-// same softmax) with register tiles in place of AMX tiles. Scores: 12 rows x 32 keys of sums in
-// registers, each K^T pair row loaded once for the 12 rows, q pairs broadcast. Output: 6 rows x 64
-// dims of sums, each V pair row loaded once for the 6 rows, probability pairs broadcast.
-constexpr int kScoreTileRows = 12, kValueTileRows = 6;
-
+// What the bf16 prompt paths (AMX tiles, vdpbf16ps register tiles) share for one task (its
+// tokens x the kv head's query heads = `rows`): per-thread buffers (q rows zero past `rows`,
+// scores, bf16 probabilities, V of every block of 32 keys in VNNI form), K^T of a block by 16 x 16
+// transposes of 32-bit pairs, V by interleaving the rows of token pairs, the softmax of each row
+// into bf16 probabilities (as the bf16 decode path and GPU flash-attention kernels round P), and
+// the store of an output row, whose sums come out permuted within 128-bit blocks (the interleave).
 template <int64_t D>
-void attend_tile_dpbf16(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
-                        c10::BFloat16* out) {
-  constexpr int64_t kKeys = 32;   // keys per block (two 16-key halves)
-  constexpr int64_t KS = D / 32;  // 32-dim steps of a score
-  const int64_t G = p.group, H = p.num_heads;
-  const int64_t rows = task.num_tokens * G;
-  const int64_t padded_rows = (rows + kScoreTileRows - 1) / kScoreTileRows * kScoreTileRows;
-  const int64_t first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
-  const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
-  const int64_t tile_len = first_pos + task.first_token + task.num_tokens;  // seen by the last token
-  const int64_t padded = (tile_len + kKeys - 1) / kKeys * kKeys, blocks = padded / kKeys;
-  const int64_t k_off = task.kv_head * D, v_off = (p.num_kv_heads + task.kv_head) * D;
-  auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
-  auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
-  auto key = [&](int64_t t, int64_t off) { return kv + slots[t] * p.kv_slot_stride + off; };
+struct Bf16PromptTask {
+  static constexpr int64_t kKeys = 32;   // keys per block (two 16-key halves)
+  static constexpr int64_t KS = D / 32;  // 32-dim steps of a score
+  struct Buffers {
+    std::vector<c10::BFloat16> q;
+    std::vector<float> scores, inv_sum;
+    std::vector<uint16_t> probs;
+    std::vector<__m512i> values;
+  };
+  const Problem& p;
+  const Task& task;
+  const c10::BFloat16* kv;
+  const int32_t* slots;
+  int64_t G, rows, padded_rows, first_pos, tile_len, padded, blocks, k_off, v_off;
+  c10::BFloat16* qrows;
+  float *scores, *inv_sum;
+  uint16_t* probs;
+  __m512i* values;  // [blocks][4][16 pairs]: pair row holds keys 2 pair, 2 pair + 1 of 16 dims
 
-  // per thread: q rows (zero past `rows`), scores, bf16 probabilities, V of every block in VNNI form
-  thread_local std::vector<c10::BFloat16> q_buf;
-  thread_local std::vector<float> scores_buf, inv_sum_buf;
-  thread_local std::vector<uint16_t> probs_buf;
-  thread_local std::vector<__m512i> v_buf;
-  q_buf.assign(padded_rows * D, c10::BFloat16(0.f));
-  if (scores_buf.size() < static_cast<size_t>(padded_rows * padded)) {
-    scores_buf.resize(padded_rows * padded);
-    probs_buf.resize(padded_rows * padded);
+  // row_multiple: rows are padded to a multiple of it (the row tiles)
+  Bf16PromptTask(const Problem& p_, const Task& task_, const c10::BFloat16* q, const c10::BFloat16* kv_,
+                 int64_t row_multiple)
+      : p(p_), task(task_), kv(kv_), slots(p.req_to_token + p.req_idx[task.row] * p.r2t_stride), G(p.group) {
+    rows = task.num_tokens * G;
+    padded_rows = (rows + row_multiple - 1) / row_multiple * row_multiple;
+    first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
+    tile_len = first_pos + task.first_token + task.num_tokens;  // seen by the last token
+    padded = (tile_len + kKeys - 1) / kKeys * kKeys;
+    blocks = padded / kKeys;
+    k_off = task.kv_head * D;
+    v_off = (p.num_kv_heads + task.kv_head) * D;
+    thread_local Buffers buf;
+    buf.q.assign(padded_rows * D, c10::BFloat16(0.f));
+    if (buf.scores.size() < static_cast<size_t>(padded_rows * padded)) {
+      buf.scores.resize(padded_rows * padded);
+      buf.probs.resize(padded_rows * padded);
+    }
+    if (buf.values.size() < static_cast<size_t>(blocks * 4 * 16)) buf.values.resize(blocks * 4 * 16);
+    if (buf.inv_sum.size() < static_cast<size_t>(rows)) buf.inv_sum.resize(rows);
+    qrows = buf.q.data();
+    scores = buf.scores.data();
+    probs = buf.probs.data();
+    values = buf.values.data();
+    inv_sum = buf.inv_sum.data();
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(qrows + r * D, q + token_of(r) * p.q_row_stride + head_of(r) * D, D * sizeof(c10::BFloat16));
   }
-  if (v_buf.size() < static_cast<size_t>(blocks * 4 * 16)) v_buf.resize(blocks * 4 * 16);
-  if (inv_sum_buf.size() < static_cast<size_t>(rows)) inv_sum_buf.resize(rows);
-  float* scores = scores_buf.data();
-  uint16_t* probs = probs_buf.data();
-  float* inv_sum = inv_sum_buf.data();
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(q_buf.data() + r * D, q + token_of(r) * p.q_row_stride + head_of(r) * D, D * sizeof(c10::BFloat16));
-  const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_buf.data());  // row r: D / 2 pairs
+  int64_t token_of(int64_t r) const { return p.token_starts[task.row] + task.first_token + r / G; }
+  int64_t head_of(int64_t r) const { return task.kv_head * G + r % G; }
+  const c10::BFloat16* key(int64_t t, int64_t off) const { return kv + slots[t] * p.kv_slot_stride + off; }
 
-  // S = Q K^T, a block of 32 keys at a time, each block's K^T shared by every row tile
-  alignas(64) __m512i kt[KS][2][16];
-  for (int64_t t0 = 0; t0 < tile_len; t0 += kKeys) {
+  // kt[s][half][j]: dims 32 s + 2 j, 32 s + 2 j + 1 of keys t0 + 16 half .. + 15 (0 past tile_len)
+  void keys_vnni(int64_t t0, __m512i (*kt)[2][16]) const {
     for (int64_t half = 0; half < 2; ++half)
       for (int64_t s = 0; s < KS; ++s) {
         __m512i* r = kt[s][half];
@@ -949,9 +963,69 @@ void attend_tile_dpbf16(const Problem& p, const Task& task, const c10::BFloat16*
           const int64_t t = t0 + half * 16 + i;
           r[i] = t < tile_len ? _mm512_loadu_si512(key(t, k_off) + s * 32) : _mm512_setzero_si512();
         }
-        transpose_16x16(r);  // row j: dims 2j, 2j + 1 of 16 keys
+        transpose_16x16(r);
       }
-    for (int64_t i0 = 0; i0 < padded_rows; i0 += kScoreTileRows) {
+  }
+
+  // softmax numerators of each row over the keys it sees, into bf16 probabilities (0 past them
+  // and in the padding rows); the output rows are divided by their sums as they are stored
+  void softmax() {
+    std::memset(probs + rows * padded, 0, (padded_rows - rows) * padded * sizeof(uint16_t));
+    for (int64_t r = 0; r < rows; ++r)
+      inv_sum[r] = exp_row_bf16(scores + r * padded, padded, first_pos + task.first_token + r / G + 1, p.scale,
+                                probs + r * padded);
+  }
+
+  // `values` for dims d0 .. d0 + 63 of every block
+  void values_vnni(int64_t d0) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      __m512i* vt = values + blk * 4 * 16;
+      for (int64_t pair = 0; pair < 16; ++pair) {
+        const int64_t t = blk * kKeys + 2 * pair;
+        for (int64_t b = 0; b < 2; ++b) {
+          const __m512i x = t < tile_len ? _mm512_loadu_si512(key(t, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
+          const __m512i y = t + 1 < tile_len ? _mm512_loadu_si512(key(t + 1, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
+          vt[2 * b * 16 + pair] = _mm512_unpacklo_epi16(x, y);
+          vt[(2 * b + 1) * 16 + pair] = _mm512_unpackhi_epi16(x, y);
+        }
+      }
+    }
+  }
+
+  // Output row r, dims d0 .. d0 + 63, from its 4 vectors of sums: vector 2 b + h, lane 4 k + j
+  // holds dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1).
+  void store_row(int64_t r, int64_t d0, const __m512* sums, c10::BFloat16* out) const {
+    const __m512i first_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i last_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    c10::BFloat16* dst = out + (token_of(r) * p.num_heads + head_of(r)) * D + d0;
+    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+    for (int64_t b = 0; b < 2; ++b) {
+      const __m512 lo = _mm512_mul_ps(sums[2 * b], inv), hi = _mm512_mul_ps(sums[2 * b + 1], inv);
+      _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, last_dims, hi),
+                                                                     _mm512_permutex2var_ps(lo, first_dims, hi)));
+    }
+  }
+};
+
+// Prompt tiles in bfloat16 with vdpbf16ps, for CPUs with AVX512-BF16 but no AMX (q and the pool
+// both bf16, D of 64 or 128): attend_tile_amx's blocks with register tiles in place of AMX tiles.
+// Scores: 12 rows x 32 keys of sums in registers, each K^T pair row loaded once for the 12 rows, q
+// pairs broadcast. Output: 6 rows x 64 dims of sums, each V pair row loaded once for the 6 rows,
+// probability pairs broadcast.
+constexpr int kScoreTileRows = 12, kValueTileRows = 6;
+
+template <int64_t D>
+void attend_tile_dpbf16(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
+                        c10::BFloat16* out) {
+  Bf16PromptTask<D> t(p, task, q, kv, kScoreTileRows);  // (a multiple of kValueTileRows too)
+  constexpr int64_t kKeys = Bf16PromptTask<D>::kKeys, KS = Bf16PromptTask<D>::KS;
+  const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(t.qrows);  // row r: D / 2 pairs
+
+  // S = Q K^T, a block of 32 keys at a time, each block's K^T shared by every row tile
+  alignas(64) __m512i kt[KS][2][16];
+  for (int64_t t0 = 0; t0 < t.tile_len; t0 += kKeys) {
+    t.keys_vnni(t0, kt);
+    for (int64_t i0 = 0; i0 < t.padded_rows; i0 += kScoreTileRows) {
       __m512 acc[kScoreTileRows][2];
       for (int r = 0; r < kScoreTileRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
       for (int64_t s = 0; s < KS; ++s)
@@ -965,49 +1039,30 @@ void attend_tile_dpbf16(const Problem& p, const Task& task, const c10::BFloat16*
           }
         }
       for (int r = 0; r < kScoreTileRows; ++r) {
-        _mm512_storeu_ps(scores + (i0 + r) * padded + t0, acc[r][0]);
-        _mm512_storeu_ps(scores + (i0 + r) * padded + t0 + 16, acc[r][1]);
+        _mm512_storeu_ps(t.scores + (i0 + r) * t.padded + t0, acc[r][0]);
+        _mm512_storeu_ps(t.scores + (i0 + r) * t.padded + t0 + 16, acc[r][1]);
       }
     }
   }
-
-  // softmax numerators of each row over the keys it sees, into bf16 probabilities (0 past them
-  // and in the padding rows); the output rows are divided by their sums as they are stored
-  std::memset(probs + rows * padded, 0, (padded_rows - rows) * padded * sizeof(uint16_t));
-  for (int64_t r = 0; r < rows; ++r)
-    inv_sum[r] = exp_row_bf16(scores + r * padded, padded, first_pos + task.first_token + r / G + 1, p.scale,
-                              probs + r * padded);
-  const uint32_t* prob_pairs = reinterpret_cast<const uint32_t*>(probs);  // row r: padded / 2 pairs
+  t.softmax();
+  const uint32_t* prob_pairs = reinterpret_cast<const uint32_t*>(t.probs);  // row r: padded / 2 pairs
 
   // O = P V, 64 dims at a time: V of every block in VNNI form, then each 6-row tile
-  const __m512i first_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i last_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      __m512i* vt = v_buf.data() + blk * 4 * 16;  // [4][16 pairs]: pair row holds keys 2 pair, 2 pair + 1
-      for (int64_t pair = 0; pair < 16; ++pair) {
-        const int64_t t = blk * kKeys + 2 * pair;
-        for (int64_t b = 0; b < 2; ++b) {
-          const __m512i x = t < tile_len ? _mm512_loadu_si512(key(t, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
-          const __m512i y = t + 1 < tile_len ? _mm512_loadu_si512(key(t + 1, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
-          vt[2 * b * 16 + pair] = _mm512_unpacklo_epi16(x, y);
-          vt[(2 * b + 1) * 16 + pair] = _mm512_unpackhi_epi16(x, y);
-        }
-      }
-    }
-    for (int64_t i0 = 0; i0 < rows; i0 += kValueTileRows) {
+    t.values_vnni(d0);
+    for (int64_t i0 = 0; i0 < t.rows; i0 += kValueTileRows) {
       __m512 acc[kValueTileRows][4];
       for (int r = 0; r < kValueTileRows; ++r)
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        const __m512i* vt = v_buf.data() + blk * 4 * 16;
+      for (int64_t blk = 0; blk < t.blocks; ++blk) {
+        const __m512i* vt = t.values + blk * 4 * 16;
         for (int pair = 0; pair < 16; ++pair) {
           const __m512bh v0 = (__m512bh)vt[pair], v1 = (__m512bh)vt[16 + pair], v2 = (__m512bh)vt[32 + pair],
                          v3 = (__m512bh)vt[48 + pair];
 #pragma GCC unroll 6
           for (int r = 0; r < kValueTileRows; ++r) {
             const __m512bh w =
-                (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[(i0 + r) * (padded / 2) + blk * 16 + pair]));
+                (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[(i0 + r) * (t.padded / 2) + blk * 16 + pair]));
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v0, w);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v1, w);
             acc[r][2] = _mm512_dpbf16_ps(acc[r][2], v2, w);
@@ -1015,17 +1070,7 @@ void attend_tile_dpbf16(const Problem& p, const Task& task, const c10::BFloat16*
           }
         }
       }
-      // sum 2 b + h, lane 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
-      for (int64_t rr = 0; rr < kValueTileRows && i0 + rr < rows; ++rr) {
-        const int64_t r = i0 + rr;
-        c10::BFloat16* dst = out + (token_of(r) * H + head_of(r)) * D + d0;
-        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-        for (int64_t b = 0; b < 2; ++b) {
-          const __m512 lo = _mm512_mul_ps(acc[rr][2 * b], inv), hi = _mm512_mul_ps(acc[rr][2 * b + 1], inv);
-          _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, last_dims, hi),
-                                                                         _mm512_permutex2var_ps(lo, first_dims, hi)));
-        }
-      }
+      for (int64_t rr = 0; rr < kValueTileRows && i0 + rr < t.rows; ++rr) t.store_row(i0 + rr, d0, acc[rr], out);
     }
   }
 }
@@ -1034,106 +1079,49 @@ void attend_tile_dpbf16(const Problem& p, const Task& task, const c10::BFloat16*
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LOOM_AMX_ATTENTION 1
 // Prompt tiles in bfloat16 on AMX (q and the pool both bf16, D a multiple of 64): the scores
-// S = Q K^T and the output P V are tile products (tdpbf16ps), float32 sums. Per block of 32 keys,
-// K^T takes the VNNI form by 16 x 16 transposes of 32-bit pairs and V by interleaving the rows of
-// token pairs; the softmax between the two passes is attend_tile's, its probabilities rounded to
-// bf16 (as the bf16 decode path and GPU flash-attention kernels round P). The output lanes of the
-// V tiles come out permuted within 128-bit blocks (the interleave); the store undoes that.
+// S = Q K^T and the output P V are tile products (tdpbf16ps), float32 sums, over Bf16PromptTask's
+// K^T and V blocks; the softmax between the two passes is attend_tile's.
 template <int64_t D>
 void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
                      c10::BFloat16* out) {
-  constexpr int64_t kKeys = 32;     // keys per block (two 16-column score tiles, one P tile)
-  constexpr int64_t KS = D / 32;    // 32-dim steps of a score
-  const int64_t G = p.group, H = p.num_heads;
-  const int64_t rows = task.num_tokens * G, tiles = (rows + 15) / 16, padded_rows = tiles * 16;
-  const int64_t first_pos = p.seq_lens[task.row] - p.extend_lens[task.row];
-  const int32_t* slots = p.req_to_token + p.req_idx[task.row] * p.r2t_stride;
-  const int64_t tile_len = first_pos + task.first_token + task.num_tokens;  // seen by the last token
-  const int64_t padded = (tile_len + kKeys - 1) / kKeys * kKeys, blocks = padded / kKeys;
-  const int64_t k_off = task.kv_head * D, v_off = (p.num_kv_heads + task.kv_head) * D;
-  auto token_of = [&](int64_t r) { return p.token_starts[task.row] + task.first_token + r / G; };
-  auto head_of = [&](int64_t r) { return task.kv_head * G + r % G; };
-  auto key = [&](int64_t t, int64_t off) { return kv + slots[t] * p.kv_slot_stride + off; };
-
-  // per thread: q rows (zero past `rows`), scores, bf16 probabilities, V of every block in VNNI form
-  thread_local std::vector<c10::BFloat16> q_buf;
-  thread_local std::vector<float> scores_buf;
-  thread_local std::vector<uint16_t> probs_buf;
-  thread_local std::vector<__m512i> v_buf;
-  q_buf.assign(padded_rows * D, c10::BFloat16(0.f));
-  if (scores_buf.size() < static_cast<size_t>(padded_rows * padded)) {
-    scores_buf.resize(padded_rows * padded);
-    probs_buf.resize(padded_rows * padded);
-  }
-  if (v_buf.size() < static_cast<size_t>(blocks * 4 * 16)) v_buf.resize(blocks * 4 * 16);
-  c10::BFloat16* qrows = q_buf.data();
-  float* scores = scores_buf.data();
-  uint16_t* probs = probs_buf.data();
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(qrows + r * D, q + token_of(r) * p.q_row_stride + head_of(r) * D, D * sizeof(c10::BFloat16));
+  Bf16PromptTask<D> t(p, task, q, kv, 16);
+  constexpr int64_t kKeys = Bf16PromptTask<D>::kKeys, KS = Bf16PromptTask<D>::KS;
+  const int64_t tiles = t.padded_rows / 16, padded = t.padded;
   // 0-3: sums (scores: 0-1; output: 0-3), 4: Q or P, 5: V, 6-7: K^T
   loom::configure_tiles({16, 16, 16, 16, 16, 16, 16, 16});
 
   // S = Q K^T, a block of 32 keys at a time, each block's K^T shared by every row tile
   alignas(64) __m512i kt[KS][2][16];
-  for (int64_t t0 = 0; t0 < tile_len; t0 += kKeys) {
-    for (int64_t half = 0; half < 2; ++half)
-      for (int64_t s = 0; s < KS; ++s) {
-        __m512i* r = kt[s][half];
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t t = t0 + half * 16 + i;
-          r[i] = t < tile_len ? _mm512_loadu_si512(key(t, k_off) + s * 32) : _mm512_setzero_si512();
-        }
-        transpose_16x16(r);  // row j: dims 2j, 2j + 1 of 16 keys
-      }
+  for (int64_t t0 = 0; t0 < t.tile_len; t0 += kKeys) {
+    t.keys_vnni(t0, kt);
     for (int64_t i = 0; i < tiles; ++i) {
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t s = 0; s < KS; ++s) {
-        _tile_loadd(4, qrows + i * 16 * D + s * 32, D * sizeof(c10::BFloat16));
+        _tile_loadd(4, t.qrows + i * 16 * D + s * 32, D * sizeof(c10::BFloat16));
         _tile_loadd(6, kt[s][0], 64);
         _tile_loadd(7, kt[s][1], 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
       }
-      _tile_stored(0, scores + i * 16 * padded + t0, padded * sizeof(float));
-      _tile_stored(1, scores + i * 16 * padded + t0 + 16, padded * sizeof(float));
+      _tile_stored(0, t.scores + i * 16 * padded + t0, padded * sizeof(float));
+      _tile_stored(1, t.scores + i * 16 * padded + t0 + 16, padded * sizeof(float));
     }
   }
-
-  // softmax numerators of each row over the keys it sees, into bf16 probabilities (0 past them
-  // and in the padding rows); the output rows are divided by their sums as they are stored
-  std::memset(probs + rows * padded, 0, (padded_rows - rows) * padded * sizeof(uint16_t));
-  thread_local std::vector<float> inv_sum_buf;
-  if (inv_sum_buf.size() < static_cast<size_t>(rows)) inv_sum_buf.resize(rows);
-  float* inv_sum = inv_sum_buf.data();
-  for (int64_t r = 0; r < rows; ++r)
-    inv_sum[r] = exp_row_bf16(scores + r * padded, padded, first_pos + task.first_token + r / G + 1, p.scale,
-                              probs + r * padded);
+  t.softmax();
 
   // O = P V, 64 dims (four tiles) at a time: V of every block in VNNI form, then each row tile
   alignas(64) float o[16][64];
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      __m512i* vt = v_buf.data() + blk * 4 * 16;  // [4 tiles][16 rows]: row `pair` holds keys 2 pair, 2 pair + 1
-      for (int64_t pair = 0; pair < 16; ++pair) {
-        const int64_t t = blk * kKeys + 2 * pair;
-        for (int64_t b = 0; b < 2; ++b) {
-          const __m512i a = t < tile_len ? _mm512_loadu_si512(key(t, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
-          const __m512i c = t + 1 < tile_len ? _mm512_loadu_si512(key(t + 1, v_off) + d0 + 32 * b) : _mm512_setzero_si512();
-          vt[2 * b * 16 + pair] = _mm512_unpacklo_epi16(a, c);
-          vt[(2 * b + 1) * 16 + pair] = _mm512_unpackhi_epi16(a, c);
-        }
-      }
-    }
+    t.values_vnni(d0);
     for (int64_t i = 0; i < tiles; ++i) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        const __m512i* vt = v_buf.data() + blk * 4 * 16;
-        _tile_loadd(4, probs + i * 16 * padded + blk * kKeys, padded * sizeof(uint16_t));
+      for (int64_t blk = 0; blk < t.blocks; ++blk) {
+        const __m512i* vt = t.values + blk * 4 * 16;
+        _tile_loadd(4, t.probs + i * 16 * padded + blk * kKeys, padded * sizeof(uint16_t));
         _tile_loadd(5, vt, 64);
         _tile_dpbf16ps(0, 4, 5);
         _tile_loadd(5, vt + 16, 64);
@@ -1147,19 +1135,10 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
       _tile_stored(1, &o[0][16], 64 * sizeof(float));
       _tile_stored(2, &o[0][32], 64 * sizeof(float));
       _tile_stored(3, &o[0][48], 64 * sizeof(float));
-      // tile 2 b + h, column 4 k + j: dim 32 b + 8 k + 4 h + j (unpacklo: h = 0, unpackhi: h = 1)
-      const __m512i first_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-      const __m512i last_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-      for (int64_t rr = 0; rr < 16 && i * 16 + rr < rows; ++rr) {
-        const int64_t r = i * 16 + rr;
-        c10::BFloat16* dst = out + (token_of(r) * H + head_of(r)) * D + d0;
-        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-        for (int64_t b = 0; b < 2; ++b) {
-          const __m512 lo = _mm512_mul_ps(_mm512_load_ps(&o[rr][32 * b]), inv);
-          const __m512 hi = _mm512_mul_ps(_mm512_load_ps(&o[rr][32 * b + 16]), inv);
-          _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, last_dims, hi),
-                                                                         _mm512_permutex2var_ps(lo, first_dims, hi)));
-        }
+      for (int64_t rr = 0; rr < 16 && i * 16 + rr < t.rows; ++rr) {
+        const __m512 sums[4] = {_mm512_load_ps(&o[rr][0]), _mm512_load_ps(&o[rr][16]), _mm512_load_ps(&o[rr][32]),
+                                _mm512_load_ps(&o[rr][48])};
+        t.store_row(i * 16 + rr, d0, sums, out);
       }
     }
   }
