@@ -740,7 +740,7 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
   auto load_bh = [](const c10::BFloat16* src) { return (__m512bh)_mm512_loadu_si512(src); };
 
   __m512 acc[kMaxHeads][NV];  // [2b] and [2b + 1]: the two permuted halves of bf16 vector b
-  alignas(64) float scores[kMaxHeads][kBlock];
+  vf scores[kMaxHeads];  // of the block's tokens
   alignas(64) uint16_t prob[kMaxHeads][kBlock];
   float run_max[kMaxHeads], run_sum[kMaxHeads];
   // the block's slots; past its end, its last one again (scored -inf, probability 0)
@@ -751,10 +751,10 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
     run_sum[h] = 0.f;
   }
   for (int64_t i = begin; i < std::min(len, begin + kBlock); ++i) prefetch_slot(kv + slots[i] * p.kv_slot_stride, slot_bytes);
-  // the next block's lines are fetched a share per 16 tokens of every head's scores, so that
-  // the memory stays busy while this block is computed (all at once overran the miss queues)
+  // the next block's lines are fetched a share per head's scores, so that the memory stays busy
+  // while this block is computed (all at once overran the miss queues)
   const int64_t slot_lines = slot_bytes / 64;
-  int64_t fetch_slot = 0, fetch_line = 0, fetch_end = 0, fetch_share = 0;
+  int64_t fetch_slot = 0, fetch_line = 0, fetch_end = 0;
   auto fetch_ahead = [&](int64_t lines) {
     for (; lines > 0 && fetch_slot < fetch_end; --lines) {
       __builtin_prefetch(reinterpret_cast<const char*>(kv + slots[fetch_slot] * p.kv_slot_stride) + fetch_line * 64, 0, 2);
@@ -762,52 +762,41 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
     }
   };
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  static_assert(kBlock == kLanes, "a block's scores of a head are one transpose_sum");
   for (int64_t t0 = begin; t0 < len; t0 += kBlock) {
-    const int64_t nb = std::min(kBlock, len - t0), padded = (nb + kLanes - 1) / kLanes * kLanes;
+    const int64_t nb = std::min(kBlock, len - t0);
     for (int64_t i = 0; i < kBlock; ++i) slot[i] = kv + slots[t0 + std::min(i, nb - 1)] * p.kv_slot_stride;
     fetch_ahead(std::numeric_limits<int64_t>::max());  // (what the last block left)
     fetch_slot = t0 + kBlock, fetch_line = 0, fetch_end = std::min(len, t0 + 2 * kBlock);
-    const int64_t groups = H * ((nb + kLanes - 1) / kLanes);
-    fetch_share = ((fetch_end - fetch_slot) * slot_lines + groups - 1) / std::max<int64_t>(groups, 1);
+    const int64_t fetch_share = ((fetch_end - fetch_slot) * slot_lines + H - 1) / H;
+    const vi valid = iota < static_cast<int32_t>(nb);  // tokens past the end score -inf
     for (int64_t kh = 0; kh < KVH; ++kh)
       for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+        fetch_ahead(fetch_share);
         __m512bh qh[NB];
         for (int b = 0; b < NB; ++b) qh[b] = load_bh(q + token * p.q_row_stride + h * D + b * 32);
-        for (int64_t s0 = 0; s0 < nb; s0 += kLanes) {
-          fetch_ahead(fetch_share);
-          vf part[kLanes];
-          for (int i = 0; i < kLanes; ++i) {
-            const c10::BFloat16* k = slot[s0 + i] + kh * D;
-            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[0], load_bh(k));
-            for (int b = 1; b < NB; ++b) s = _mm512_dpbf16_ps(s, qh[b], load_bh(k + b * 32));
-            part[i] = reinterpret_cast<vf>(s);
-          }
-          const vi valid = iota < static_cast<int32_t>(nb - s0);
-          const vf s = valid ? transpose_sum(part) * p.scale : splat(-kInf);
-          std::memcpy(scores[h] + s0, &s, sizeof(s));
+        vf part[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          const c10::BFloat16* k = slot[i] + kh * D;
+          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[0], load_bh(k));
+          for (int b = 1; b < NB; ++b) s = _mm512_dpbf16_ps(s, qh[b], load_bh(k + b * 32));
+          part[i] = reinterpret_cast<vf>(s);
         }
+        scores[h] = valid ? transpose_sum(part) * p.scale : splat(-kInf);
       }
     for (int64_t h = 0; h < H; ++h) {
-      __m512 mv = _mm512_set1_ps(-kInf);
-      for (int64_t s0 = 0; s0 < padded; s0 += kLanes) mv = _mm512_max_ps(mv, _mm512_load_ps(scores[h] + s0));
-      const float new_max = std::max(run_max[h], _mm512_reduce_max_ps(mv));
+      const float new_max = std::max(run_max[h], lane_max(scores[h]));
       if (new_max != run_max[h]) {  // rescale what was summed under the old max
         const float c = std::exp(run_max[h] - new_max);
         run_sum[h] *= c;
         for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_mul_ps(acc[h][j], _mm512_set1_ps(c));
         run_max[h] = new_max;
       }
-      vf sum = {};
-      for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
-        const vf s = load16(scores[h] + s0);
-        vf x = s - new_max;
-        x = x > -87.f ? x : splat(-87.f);
-        const vf e = s > -kInf ? loom::vexp16(x) : vf{};
-        sum += e;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob[h] + s0),
-                            (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512>(e)));
-      }
-      run_sum[h] += _mm512_reduce_add_ps(reinterpret_cast<__m512>(sum));
+      vf x = scores[h] - new_max;
+      x = x > -87.f ? x : splat(-87.f);
+      const vf e = scores[h] > -kInf ? loom::vexp16(x) : vf{};
+      run_sum[h] += lane_sum(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob[h]), (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512>(e)));
     }
     for (int64_t kh = 0; kh < KVH; ++kh)  // (an odd last token pairs with the slot after it at probability 0)
       value_heads_dpbf16<R, NV>(acc + kh * G, prob + kh * G, slot, (KVH + kh) * D, nb, G);
