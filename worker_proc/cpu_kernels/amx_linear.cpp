@@ -262,8 +262,13 @@ torch::Tensor linear_packed_bf16(torch::Tensor x_in, torch::Tensor packed) {
       alignas(64) float sums[kDotRows * kBlockN];
       const int64_t group = std::max<int64_t>(1, kGroupBytes / (k * kBlockN * sizeof(at::BFloat16)));
       const int64_t block_bytes = k * kBlockN * sizeof(at::BFloat16), row_blocks = (m + kDotRows - 1) / kDotRows;
-      for (int64_t g0 = b0; g0 < b1; g0 += group) {
-        const int64_t g1 = std::min(b1, g0 + group), next_end = std::min(b1, g1 + group);
+      // Groups grow from one block (1, 2, 4, ... up to `group`): the first group's first pass
+      // reads W from memory unprefetched, so it is kept short; each later one was fetched
+      // during the passes of the one before, which is at least half its size.
+      int64_t size = 1;
+      for (int64_t g0 = b0, g1; g0 < b1; g0 = g1, size = std::min(group, 2 * size)) {
+        g1 = std::min(b1, g0 + size);
+        const int64_t next_end = std::min(b1, g1 + std::min(group, 2 * size));
         const int64_t steps = row_blocks * (g1 - g0) * (k / kBlockK), lines = (next_end - g1) * block_bytes / 64;
         GroupPrefetch prefetch{reinterpret_cast<const char*>(wp + g1 * k * kBlockN),
                                reinterpret_cast<const char*>(wp + next_end * k * kBlockN), (lines + steps - 1) / steps};
