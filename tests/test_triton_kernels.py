@@ -5,6 +5,7 @@ on CPU tensors; with one, compiled on it."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,6 +186,69 @@ def test_norms_and_activation_match_the_torch_ops(dtype):
     torch.testing.assert_close(y, expected_y, **tol)
     gate_up = torch.randn(7, 2 * 80, generator=g).to(dtype).to(DEVICE)
     torch.testing.assert_close(triton_ops.silu_mul(gate_up), reference.silu_mul(gate_up), **tol)
+
+
+def test_gpu_ops_take_every_argument_the_cpu_ops_take():
+    """The models call one Ops interface: each method GpuOps overrides accepts the CPU Ops' parameters
+    (a parameter added on the CPU side alone breaks every GPU step, and no CPU test runs GpuOps)."""
+    import inspect
+
+    for name, method in vars(triton_ops.GpuOps).items():
+        base = getattr(Ops, name, None)
+        if name.startswith("__") or not callable(method) or not callable(base):
+            continue
+        mine, theirs = inspect.signature(method).parameters, inspect.signature(base).parameters
+        assert list(theirs) == list(mine)[: len(theirs)], \
+            f"GpuOps.{name}{inspect.signature(method)} vs Ops.{name}{inspect.signature(base)}"
+
+
+# Compiles every kernel as the GPU path launches it (row tables int64, req_to_token int32); run in
+# a process of its own: under TRITON_INTERPRET the kernels are interpreter objects, not compilable.
+_COMPILE_FOR_CUDA = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker_proc import triton_attention, triton_ops
+dtype = sys.argv[1]
+rows = dict.fromkeys(["row_start", "row_len", "row_prefix", "row_req", "dec_row", "dec_req", "dec_len"], "*i64")
+attention = dict.fromkeys(["Q", "K", "V", "O"], "*" + dtype) | {"req_to_token": "*i32", "sm_scale": "fp32"} | rows
+attention |= dict.fromkeys(["part_out", "part_lse"], "*fp32")
+ops = dict.fromkeys(["X", "R", "W", "Y", "GU", "B"], "*" + dtype) | {"S": "*fp32", "eps": "fp32"}
+precision = "ieee" if dtype == "fp32" else "tf32"
+kernels = {  # kernel: (its pointer and float arguments, its constants); the rest are int32
+    triton_attention._extend_kernel: (attention, dict(GROUP=3, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64,
+                                                      CAUSAL_BLOCK=1, PRECISION=precision)),
+    triton_attention._decode_split_kernel: (attention, dict(GROUP=3, BLOCK_H=16, HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64,
+                                                            PRECISION=precision)),
+    triton_attention._decode_merge_kernel: (attention, dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64)),
+    triton_ops._add_rms_norm_kernel: (ops, dict(HAS_RESIDUAL=True, BLOCK=1024)),
+    triton_ops._silu_mul_kernel: (ops, dict(BLOCK=1024)),
+    triton_ops._matmul_kernel: (ops, dict(HAS_SCALE=True, HAS_BIAS=True, PRECISION=precision, BLOCK_M=64, BLOCK_N=64,
+                                          BLOCK_K=64)),
+}
+for kernel, (types, constants) in kernels.items():
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    triton.compile(ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}),
+                   target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kernels_compile_for_a_cuda_gpu(dtype):
+    """Every kernel through Triton's CUDA compiler (sm_90): the interpreter the other tests run
+    under checks no types (an if/else that gives one name int32 and int64 runs there and fails
+    to compile for a GPU)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_CUDA, dtype], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_fixed_tile_matmul_is_batch_invariant_and_matches_linear():

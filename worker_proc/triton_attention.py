@@ -107,6 +107,7 @@ def _extend_kernel(Q, K, V, O, req_to_token, row_start, row_len, row_prefix, row
 
 @triton.jit
 def _split_bounds(split, seq_len, num_splits, split_tokens, BLOCK_N: tl.constexpr):
+    seq_len = seq_len.to(tl.int32)  # (both branches must give per_split one type: int64 lengths vs int32 split_tokens)
     if split_tokens > 0:
         per_split = split_tokens
     else:

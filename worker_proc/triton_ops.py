@@ -151,7 +151,7 @@ class GpuOps(Ops):
         return silu_mul(gate_up.contiguous())
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     packed: torch.Tensor | None = None) -> torch.Tensor:
+                     packed: torch.Tensor | None = None, onednn: torch.Tensor | None = None) -> torch.Tensor:
         if self.deterministic:
             return matmul(x, weight, bias)
         return F.linear(x, weight, bias)
