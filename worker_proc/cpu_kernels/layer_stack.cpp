@@ -57,6 +57,34 @@ struct Layer {
   LinearWeights qkv, o, gate_up, down;
 };
 
+// Attention for the tokens in logit_rows alone: each one a row of one token (a decode's shape)
+// that sees its request's slots up to its own position; q rows in logit_rows' order.
+std::shared_ptr<const PagedAttentionPlan> plan_logit_rows(int64_t num_tokens, int64_t num_heads,
+                                                          const torch::Tensor& logit_rows, const torch::Tensor& kv,
+                                                          const torch::Tensor& req_to_token, const torch::Tensor& req_idx,
+                                                          const torch::Tensor& token_starts,
+                                                          const torch::Tensor& extend_lens,
+                                                          const torch::Tensor& seq_lens, double scale) {
+  const auto as_i64 = [](const torch::Tensor& v) { return v.to(torch::kInt64).contiguous(); };
+  const torch::Tensor reqs = as_i64(req_idx), starts = as_i64(token_starts), lens = as_i64(extend_lens),
+                      seqs = as_i64(seq_lens), tokens = as_i64(logit_rows);
+  std::vector<int64_t> row_of_token(num_tokens, -1);
+  for (int64_t r = 0; r < reqs.numel(); ++r)
+    for (int64_t j = 0; j < lens.data_ptr<int64_t>()[r]; ++j) row_of_token.at(starts.data_ptr<int64_t>()[r] + j) = r;
+  const int64_t n = tokens.numel();
+  torch::Tensor sub_reqs = torch::empty({n}, torch::kInt64), sub_seqs = torch::empty({n}, torch::kInt64);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t token = tokens.data_ptr<int64_t>()[i], r = row_of_token.at(token);
+    TORCH_CHECK(r >= 0, "a logit row outside every request's tokens");
+    sub_reqs.data_ptr<int64_t>()[i] = reqs.data_ptr<int64_t>()[r];
+    // the request's cached tokens before this step's, then its own up to this one
+    sub_seqs.data_ptr<int64_t>()[i] =
+        seqs.data_ptr<int64_t>()[r] - lens.data_ptr<int64_t>()[r] + token - starts.data_ptr<int64_t>()[r] + 1;
+  }
+  return plan_paged_attention(n, num_heads, kv, req_to_token, sub_reqs, torch::arange(n),
+                              torch::ones({n}, torch::kInt64), sub_seqs, scale);
+}
+
 }  // namespace
 
 class LayerStack {
@@ -97,6 +125,14 @@ class LayerStack {
     torch::Tensor residual;
     const auto attention = plan_paged_attention(t, num_heads_, kv[0], req_to_token, req_idx, token_starts, extend_lens,
                                                 seq_lens, scale);
+    // Of the last layer, rows without logits (prompt tokens before a chunk's last) need only the
+    // K and V that later steps attend to: the logit rows alone go on through its attention,
+    // o_proj and MLP (a prompt-sized step: ~3% of its linears' work).
+    const int64_t n_logits = logit_rows.size(0);
+    const bool narrow_last = n_logits < t;
+    const auto last_attention = narrow_last ? plan_logit_rows(t, num_heads_, logit_rows, kv[0], req_to_token, req_idx,
+                                                              token_starts, extend_lens, seq_lens, scale)
+                                            : attention;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       torch::Tensor h;
@@ -109,10 +145,19 @@ class LayerStack {
       torch::Tensor qkv = layer.qkv(h);
       rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
       store_kv(kv[i], out_cache_loc, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size));
-      torch::Tensor attn = run_paged_attention(*attention, qkv.narrow(1, 0, q_size).view({t, num_heads_, head_dim_}), kv[i]);
-      h = add_rms_norm(reduced(layer.o(attn.view({t, q_size}))), residual, layer.post_norm, eps_);
+      int64_t rows = t;
+      const bool last = i + 1 == layers_.size();
+      if (last && narrow_last) {
+        qkv = qkv.index_select(0, logit_rows);
+        residual = residual.index_select(0, logit_rows);
+        rows = n_logits;
+      }
+      torch::Tensor attn = run_paged_attention(last ? *last_attention : *attention,
+                                               qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_}), kv[i]);
+      h = add_rms_norm(reduced(layer.o(attn.view({rows, q_size}))), residual, layer.post_norm, eps_);
       x = reduced(layer.down(layer.gate_up.gated() ? layer.gate_up(h) : silu_mul(layer.gate_up(h))));
     }
+    if (narrow_last) return lm_head_(add_rms_norm(x, residual, final_norm_, eps_));
     return lm_head_(add_rms_norm(x.index_select(0, logit_rows), residual.index_select(0, logit_rows), final_norm_, eps_));
   }
 
