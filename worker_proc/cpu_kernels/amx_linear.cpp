@@ -69,8 +69,7 @@ inline void store_silu_rows(const float* sums, int64_t rows, at::BFloat16* y, in
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 gate = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN));
     const __m512 up = loom::round_bf16(_mm512_load_ps(sums + r * kBlockN + 16));
-    const loom::vf e = loom::vexp16(-reinterpret_cast<const loom::vf&>(gate));
-    const __m512 silu = loom::round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)e)));
+    const __m512 silu = loom::round_bf16(loom::silu16(gate));
     loom::store16_bf16(y + r * ldy, _mm512_mul_ps(silu, up));
   }
 }

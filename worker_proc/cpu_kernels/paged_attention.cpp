@@ -1349,7 +1349,9 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
             int64_t D, const T* q, const KV* kv, T* out) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size()), H = p.num_heads;
   const int64_t num_partials = decode_rows.empty() ? 0 : decode_rows.back().first_partial + decode_rows.back().num_parts;
-  std::vector<float> partials(num_partials * H * (D + 2));
+  // (every decode part writes all of its partial: no zeroing, a serial pass over ~150 KB a layer)
+  const std::unique_ptr<float[]> partial_buffer(new float[num_partials * H * (D + 2)]);
+  float* const partials = partial_buffer.get();
   [[maybe_unused]] const bool amx = amx_bf16();
   // Tasks differ in length (contexts and chunk sizes vary): hand them out one at a time.
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -1359,7 +1361,7 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
     for (int64_t i = 0; i < num_tasks; ++i) {
       const Task& task = tasks[i];
       if (task.kv_head < 0) {  // (part of) a decode row, all heads
-        float* partial = partial_at(partials.data(), task.partial, H, D);
+        float* partial = partial_at(partials, task.partial, H, D);
 #if defined(LOOM_AMX_ATTENTION)
         if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
           if (amx && H <= 16 && D == 64) { attend_decode_amx<64>(p, task, q, kv, partial); continue; }
@@ -1435,11 +1437,11 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
       for (int64_t h = 0; h < H; ++h) {
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t k = 0; k < dr.num_parts; ++k)
-          top = std::max(top, partial_at(partials.data(), dr.first_partial + k, H, D)[h * (D + 2) + D]);
+          top = std::max(top, partial_at(partials, dr.first_partial + k, H, D)[h * (D + 2) + D]);
         std::fill(acc.begin(), acc.end(), 0.f);
         float sum = 0.f;
         for (int64_t k = 0; k < dr.num_parts; ++k) {
-          const float* part = partial_at(partials.data(), dr.first_partial + k, H, D) + h * (D + 2);
+          const float* part = partial_at(partials, dr.first_partial + k, H, D) + h * (D + 2);
           const float c = dr.num_parts == 1 ? 1.f : std::exp(part[D] - top);
           sum += part[D + 1] * c;
           for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * c;

@@ -90,6 +90,26 @@ inline __m512 round_bf16(__m512 v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// silu(g) = g / (1 + e^-g), e^-g as 2^n 2^f (n = round(-g log2 e), |f| <= 1/2, 2^f by the Cephes
+// exp2f series) with vscalefps applying 2^n, which overflows to inf and underflows to 0 by itself:
+// about half the instructions of vexp16 and its clamps (the MLP's gated linear runs this on every
+// output: 2-3% of its time). The fused and unfused SiLU both take it, so they agree bit for bit.
+inline __m512 silu16(__m512 g) {
+  const __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.44269504089f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_scalef_ps(p, n)));
+}
+#endif
+
 // dst[0:n) = src[0:n) in dst's type: a KV row stored in the pool's dtype. Float to float16 takes
 // the conversion instructions (a scalar c10::Half per element costs as much as the step's attention).
 template <typename D, typename S>
