@@ -211,3 +211,30 @@ def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, requ
         if not torch.equal(got.argmax(-1), want.argmax(-1)):
             break
     assert sum(a == b for a, b in zip(got_out, want_out)) >= 2
+
+
+def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path):
+    """The layer stack's steps in one parallel region (each op's team form, the linears' blocks
+    balanced between threads) give the logits of its op-by-op calls bit for bit: prompt steps (the
+    last layer narrowed to the logit rows), mixed and decode steps."""
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+
+    if not kernel.packed_bf16_rows():
+        pytest.skip("no bfloat16 products (AMX tiles or AVX512-BF16) in this build or on this CPU")
+    # head_dim 64 (the default model's), every N and K a multiple of 32
+    path = build_tiny_checkpoint("llama", tmp_path, seed=7, vocab_size=1024, hidden_size=128, num_attention_heads=2,
+                                 num_key_value_heads=1, intermediate_size=256)
+    fast = ModelRunner(RunnerConfig(str(path), torch.bfloat16, kv_cache_gb=0.02, max_running_requests=4,
+                                    kernel_backend="cpu", kernel_isa=request.node.callspec.params["kernel"]))
+    stack = fast.model.layer_stack
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 17, 40, 90)]
+    out_region, logits_region, _ = _run_and_capture(fast, prompts)
+    steps = stack.one_region_steps
+    assert steps == len(logits_region)  # every step had several rows
+    stack.one_region = False
+    out_ops, logits_ops, _ = _run_and_capture(fast, prompts)
+    assert stack.one_region_steps == steps
+    assert out_region == out_ops and len(logits_region) == len(logits_ops)
+    for a, b in zip(logits_region, logits_ops):
+        assert torch.equal(a, b)

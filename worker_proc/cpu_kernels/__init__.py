@@ -27,7 +27,7 @@ log = logging.getLogger("loom.kernels")
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "paged_attention.cpp", "small_m_linear.cpp", "fused_ops.cpp",
                                 "layer_stack.cpp", "half_linear.cpp", "amx_linear.cpp")]
-_HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h", "amx_tiles.h")]
+_HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h", "amx_tiles.h", "team.h")]
 
 ISA_LEVELS = ("native", "avx512", "avx2", "scalar")
 _MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "scalar": "x86-64"}
@@ -129,7 +129,7 @@ def load(level: str = "native"):
                                                 "once per CPU and loom version"):
             _modules[level] = load_extension(
                 name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-                extra_cflags=["-O3", f"-march={_MARCH[level]}", "-fopenmp", "-fvisibility=hidden"],
+                extra_cflags=["-O3", "-std=c++20", f"-march={_MARCH[level]}", "-fopenmp", "-fvisibility=hidden"],
                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler / headers: the torch path still works
         _failed.add(level)

@@ -28,10 +28,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
 #include "kernels.h"
+#include "team.h"
 #include "vec_math.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -241,62 +243,68 @@ torch::Tensor linear_packed_bf16(torch::Tensor x_in, torch::Tensor packed) {
   TORCH_CHECK((packed.dim() == 5 || gated) && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
                   packed.size(2) == 2 && packed.size(3) == kTileRows && packed.sizes().slice(4) == torch::IntArrayRef(tile_row),
               "packed must come from pack_dense_bf16");
-  // output columns: 32 a block, or 16 gated ones (silu(gate) * up)
-  const int64_t blocks = packed.size(0), k = packed.size(1) * kBlockK, block_cols = gated ? kTileRows : kBlockN;
-  const int64_t n = blocks * block_cols;
+  const int64_t k = packed.size(1) * kBlockK, n = packed_bf16_cols(packed);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && x_in.scalar_type() == torch::kBFloat16,
               "x must be bfloat16 [M, K] with the packed weights' K");
-#if defined(__AVX512BF16__)
+  TORCH_CHECK(packed_bf16_rows(), "linear_packed_bf16: this build has no bfloat16 products");
   auto x = x_in.contiguous();
   const int64_t m = x.size(0);
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  loom::BlockClaims claims;
+  claims.reset(packed.size(0), at::get_num_threads());
+#pragma omp parallel num_threads(at::get_num_threads())
+  linear_packed_bf16_team(x.data_ptr<at::BFloat16>(), m, packed, out.data_ptr<at::BFloat16>(), claims);
+  return out;
+}
+
+int64_t packed_bf16_cols(const torch::Tensor& packed) {
+  return packed.size(0) * (packed.dim() == 6 ? kTileRows : kBlockN);  // 16 gated columns a block, else 32
+}
+
+void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const torch::Tensor& packed, at::BFloat16* y,
+                             loom::BlockClaims& claims) {
+#if defined(__AVX512BF16__)
+  const bool gated = packed.dim() == 6;
+  const int64_t k = packed.size(1) * kBlockK, block_cols = gated ? kTileRows : kBlockN, n = packed_bf16_cols(packed);
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  const int t = omp_get_thread_num();
+  const int64_t block_bytes = k * kBlockN * sizeof(at::BFloat16);
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / block_bytes);
+  // Each thread walks its blocks a group (~kGroupBytes of W, kept in L2) at a time under all rows,
+  // then takes single blocks left in the others' shares. run(g0, g1, ahead): blocks [g0, g1),
+  // fetching blocks [g1, ahead) meanwhile.
+  std::function<void(int64_t, int64_t, int64_t)> run;
+  // (the first group's first pass reads W from memory unfetched: without AMX groups grow from
+  // one block, 1, 2, 4, ... up to `group`, each fetched during the passes of the one before)
+  int64_t size = group;
   if (!amx_bf16()) {
-    // Threads split the column blocks; each walks them a group (~kGroupBytes of W, kept in L2)
-    // at a time under all rows, kDotRows at a time: W comes from memory once a call.
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    size = 1;
+    run = [&](int64_t g0, int64_t g1, int64_t ahead) {
       alignas(64) float sums[kDotRows * kBlockN];
-      const int64_t group = std::max<int64_t>(1, kGroupBytes / (k * kBlockN * sizeof(at::BFloat16)));
-      const int64_t block_bytes = k * kBlockN * sizeof(at::BFloat16), row_blocks = (m + kDotRows - 1) / kDotRows;
-      // Groups grow from one block (1, 2, 4, ... up to `group`): the first group's first pass
-      // reads W from memory unprefetched, so it is kept short; each later one was fetched
-      // during the passes of the one before, which is at least half its size.
-      int64_t size = 1;
-      for (int64_t g0 = b0, g1; g0 < b1; g0 = g1, size = std::min(group, 2 * size)) {
-        g1 = std::min(b1, g0 + size);
-        const int64_t next_end = std::min(b1, g1 + std::min(group, 2 * size));
-        const int64_t steps = row_blocks * (g1 - g0) * (k / kBlockK), lines = (next_end - g1) * block_bytes / 64;
-        GroupPrefetch prefetch{reinterpret_cast<const char*>(wp + g1 * k * kBlockN),
-                               reinterpret_cast<const char*>(wp + next_end * k * kBlockN), (lines + steps - 1) / steps};
-        for (int64_t r = 0; r < m; r += kDotRows) {
-          const int64_t rows = std::min<int64_t>(kDotRows, m - r);
-          for (int64_t b = g0; b < g1; ++b) {
-            dot_rows_upto<kDotRows>(xp + r * k, k, wp + b * k * kBlockN, k, rows, sums, prefetch);
-            if (gated)
-              store_silu_rows(sums, rows, y + r * n + b * block_cols, n);
-            else
-              store_rows(sums, rows, y + r * n + b * block_cols, n);
-          }
+      const int64_t row_blocks = (m + kDotRows - 1) / kDotRows, steps = row_blocks * (g1 - g0) * (k / kBlockK);
+      const int64_t lines = (ahead - g1) * block_bytes / 64;
+      GroupPrefetch prefetch{reinterpret_cast<const char*>(wp + g1 * k * kBlockN),
+                             reinterpret_cast<const char*>(wp + ahead * k * kBlockN), (lines + steps - 1) / steps};
+      for (int64_t r = 0; r < m; r += kDotRows) {
+        const int64_t rows = std::min<int64_t>(kDotRows, m - r);
+        for (int64_t b = g0; b < g1; ++b) {
+          dot_rows_upto<kDotRows>(xp + r * k, k, wp + b * k * kBlockN, k, rows, sums, prefetch);
+          if (gated)
+            store_silu_rows(sums, rows, y + r * n + b * block_cols, n);
+          else
+            store_rows(sums, rows, y + r * n + b * block_cols, n);
         }
       }
-    });
-    return out;
+    };
   }
-#endif
 #if defined(LOOM_AMX)
-  const int64_t full_rows = m / kBlockM * kBlockM;
-  // Threads split the column blocks; each walks them a group (~kGroupBytes of W) at a time, and
-  // each group in chunks of rows: full 32-row blocks, then the last partial one (its own tile
+  // Each group in chunks of rows: full 32-row blocks, then the last partial one (its own tile
   // configuration), so W comes from memory once a call at every row count.
-  const int64_t tail = m - full_rows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[kBlockM * kBlockN];
-    const int64_t group = std::max<int64_t>(1, kGroupBytes / (k * kBlockN * sizeof(at::BFloat16)));
-    for (int64_t g0 = b0; g0 < b1; g0 += group) {
-      const int64_t g1 = std::min(b1, g0 + group);
+  const int64_t full_rows = m / kBlockM * kBlockM, tail = m - full_rows;
+  if (amx_bf16()) {
+    run = [&](int64_t g0, int64_t g1, int64_t) {
+      alignas(64) float sums[kBlockM * kBlockN];
       if (full_rows) configure_tiles(kBlockM);
       for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
         const int64_t r1 = std::min(full_rows, r0 + kChunkM);
@@ -310,10 +318,20 @@ torch::Tensor linear_packed_bf16(torch::Tensor x_in, torch::Tensor packed) {
           block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, gated, y + full_rows * n + b * block_cols, n,
                      sums);
       }
-    }
-    _tile_release();
-  });
-  return out;
+    };
+  }
+#endif
+  int64_t g0, g1, end;
+  for (bool more = claims.take_front(t, size, g0, g1, end); more;) {
+    size = std::min(group, 2 * size);
+    const int64_t ahead = std::min(end, g1 + size);
+    run(g0, g1, ahead);
+    more = claims.take_front(t, size, g0, g1, end);
+  }
+  for (int64_t b; claims.steal(t, b);) run(b, b + 1, b + 1);
+#if defined(LOOM_AMX)
+  if (amx_bf16()) _tile_release();
+#endif
 #else
   TORCH_CHECK(false, "linear_packed_bf16: this build has no bfloat16 products");
 #endif

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -62,53 +63,55 @@ using loom::store16_bf16;
 // than waking the other threads and waiting for them (each op a parallel region, ~90 a step).
 constexpr int64_t kSerialRows = 64;
 
+// One row: out = weight * T(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, stored back).
+inline void rms_norm_row_bf16(const at::BFloat16* xr, at::BFloat16* res, const at::BFloat16* weight, at::BFloat16* out,
+                              int64_t dim, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    __m512 h = load_bf16(xr + i);
+    if (res) {
+      h = round_bf16(_mm512_add_ps(h, load_bf16(res + i)));
+      store16_bf16(res + i, h);
+    }
+    ss = _mm512_fmadd_ps(h, h, ss);
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps);
+  const at::BFloat16* h = res ? res : xr;
+  for (int64_t i = 0; i < dim; i += 16)
+    store16_bf16(out + i, _mm512_mul_ps(load_bf16(weight + i), round_bf16(_mm512_mul_ps(load_bf16(h + i), _mm512_set1_ps(inv)))));
+}
+
 void rms_norm_bf16(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
                    int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, kSerialRows, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const at::BFloat16* xr = x + row * dim;
-      at::BFloat16* res = residual ? residual + row * dim : nullptr;
-      __m512 ss = _mm512_setzero_ps();
-      for (int64_t i = 0; i < dim; i += 16) {
-        __m512 h = load_bf16(xr + i);
-        if (res) {
-          h = round_bf16(_mm512_add_ps(h, load_bf16(res + i)));
-          store16_bf16(res + i, h);
-        }
-        ss = _mm512_fmadd_ps(h, h, ss);
-      }
-      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps);
-      const at::BFloat16* h = res ? res : xr;
-      for (int64_t i = 0; i < dim; i += 16)
-        store16_bf16(out + row * dim + i,
-                   _mm512_mul_ps(load_bf16(weight + i), round_bf16(_mm512_mul_ps(load_bf16(h + i), _mm512_set1_ps(inv)))));
-    }
+    for (int64_t row = begin; row < end; ++row)
+      rms_norm_row_bf16(x + row * dim, residual ? residual + row * dim : nullptr, weight, out + row * dim, dim, eps);
   });
 }
 
 // rope_rows for bf16 with head_dim a multiple of 32 (halves of whole vectors)
+inline void rope_row_bf16(at::BFloat16* row, const float* cp, const float* sp, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < half; d += 16) {
+    // c, s rounded to bf16 as the torch code casts them; the same for every head of the row
+    const __m512 c_lo = round_bf16(_mm512_loadu_ps(cp + d)), c_hi = round_bf16(_mm512_loadu_ps(cp + half + d));
+    const __m512 s_lo = round_bf16(_mm512_loadu_ps(sp + d)), s_hi = round_bf16(_mm512_loadu_ps(sp + half + d));
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      at::BFloat16* xh = row + hd * head_dim;
+      const __m512 lo = load_bf16(xh + d), hi = load_bf16(xh + half + d);
+      // x' = T(T(x * c) + T(rotate_half(x) * s)), rotate_half(x) = [-hi, lo]
+      store16_bf16(xh + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, c_lo)),
+                                         round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), s_lo))));
+      store16_bf16(xh + half + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, c_hi)), round_bf16(_mm512_mul_ps(lo, s_hi))));
+    }
+  }
+}
+
 void rope_bf16(at::BFloat16* qkv, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
                int64_t row_stride, int64_t heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
   at::parallel_for(0, rows, kSerialRows, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* cp = cos + positions[r] * head_dim;
-      const float* sp = sin + positions[r] * head_dim;
-      at::BFloat16* row = qkv + r * row_stride;
-      for (int64_t d = 0; d < half; d += 16) {
-        // c, s rounded to bf16 as the torch code casts them; the same for every head of the row
-        const __m512 c_lo = round_bf16(_mm512_loadu_ps(cp + d)), c_hi = round_bf16(_mm512_loadu_ps(cp + half + d));
-        const __m512 s_lo = round_bf16(_mm512_loadu_ps(sp + d)), s_hi = round_bf16(_mm512_loadu_ps(sp + half + d));
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          at::BFloat16* xh = row + hd * head_dim;
-          const __m512 lo = load_bf16(xh + d), hi = load_bf16(xh + half + d);
-          // x' = T(T(x * c) + T(rotate_half(x) * s)), rotate_half(x) = [-hi, lo]
-          store16_bf16(xh + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, c_lo)),
-                                           round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), s_lo))));
-          store16_bf16(xh + half + d, _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, c_hi)), round_bf16(_mm512_mul_ps(lo, s_hi))));
-        }
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rope_row_bf16(qkv + r * row_stride, cos + positions[r] * head_dim, sin + positions[r] * head_dim, heads, head_dim);
   });
 }
 #endif
@@ -343,3 +346,28 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   });
   return out;
 }
+
+#if defined(__AVX512BF16__)
+// Team forms (team.h) for the layer stack's one region: rows split among the team, which meets
+// at the loop's closing barrier.
+void rms_norm_bf16_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
+                        int64_t rows, int64_t dim, double eps) {
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_row_bf16(x + r * dim, residual ? residual + r * dim : nullptr, weight, out + r * dim, dim,
+                      static_cast<float>(eps));
+}
+
+void rope_store_kv_bf16_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
+                             const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                             at::BFloat16* kv, const int64_t* slots) {
+  const int64_t width = kv_heads * head_dim;
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    at::BFloat16* row = qkv + r * row_stride;
+    rope_row_bf16(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim);
+    std::memcpy(kv + slots[r] * 2 * width, row + q_heads * head_dim, width * sizeof(at::BFloat16));
+    std::memcpy(kv + (slots[r] * 2 + 1) * width, row + (q_heads + kv_heads) * head_dim, width * sizeof(at::BFloat16));
+  }
+}
+#endif

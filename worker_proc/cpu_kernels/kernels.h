@@ -53,3 +53,26 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
 
 torch::Tensor argmax_rows(torch::Tensor x);
 
+// Team forms (team.h), for the layer stack's one parallel region a step: every thread of the
+// region calls one with the same arguments and returns with the team's work done (a barrier).
+// bfloat16 throughout; the plain entry points above check what these take as given.
+namespace loom {
+class BlockClaims;
+}
+int64_t packed_bf16_cols(const torch::Tensor& packed);  // y's columns of pack_dense_bf16's weights
+// y [m, packed_bf16_cols] = x [m, K] @ W.T (silu(gate) * up where gated); claims reset to the
+// packed blocks (packed.size(0)) before the region. Ends without a barrier: the caller's.
+void linear_packed_bf16_team(const at::BFloat16* x, int64_t m, const torch::Tensor& packed, at::BFloat16* y,
+                             loom::BlockClaims& claims);
+void rms_norm_bf16_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
+                        int64_t rows, int64_t dim, double eps);  // dim a multiple of 16
+// rope_ on each row's q and k heads (head_dim a multiple of 32), then its k and v heads to pool
+// slot slots[r] of a bfloat16 kv [S, 2, kv_heads, head_dim]
+void rope_store_kv_bf16_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
+                             const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                             at::BFloat16* kv, const int64_t* slots);
+int64_t paged_attention_partial_floats(const PagedAttentionPlan& plan);  // partials' size for the team form
+// run_paged_attention of a bfloat16 q (rows q_row_stride apart) over a bfloat16 pool into out [N, H * D]
+void run_paged_attention_bf16_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
+                                   const at::BFloat16* kv, at::BFloat16* out, float* partials);
+

@@ -1344,17 +1344,21 @@ struct DecodeRow {
   int64_t row, first_partial, num_parts;
 };
 
-template <typename T, typename KV>
-void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<DecodeRow>& decode_rows,
-            int64_t D, const T* q, const KV* kv, T* out) {
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size()), H = p.num_heads;
+// Floats of the decode rows' partial sums (every decode part writes all of its partial: no
+// zeroing, a serial pass over ~150 KB a layer).
+int64_t partial_floats(const std::vector<DecodeRow>& decode_rows, int64_t H, int64_t D) {
   const int64_t num_partials = decode_rows.empty() ? 0 : decode_rows.back().first_partial + decode_rows.back().num_parts;
-  // (every decode part writes all of its partial: no zeroing, a serial pass over ~150 KB a layer)
-  const std::unique_ptr<float[]> partial_buffer(new float[num_partials * H * (D + 2)]);
-  float* const partials = partial_buffer.get();
+  return num_partials * H * (D + 2);
+}
+
+// The attention's work for every thread of a region the caller opened (team.h): tasks handed out
+// one at a time (contexts and chunk sizes vary), then the decode rows' parts merged; the team
+// meets at the end.
+template <typename T, typename KV>
+void attend_team(const Problem& p, const std::vector<Task>& tasks, const std::vector<DecodeRow>& decode_rows,
+                 int64_t D, const T* q, const KV* kv, T* out, float* partials) {
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size()), H = p.num_heads;
   [[maybe_unused]] const bool amx = amx_bf16();
-  // Tasks differ in length (contexts and chunk sizes vary): hand them out one at a time.
-#pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
@@ -1450,6 +1454,14 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
       }
     }
   }
+}
+
+template <typename T, typename KV>
+void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<DecodeRow>& decode_rows,
+            int64_t D, const T* q, const KV* kv, T* out) {
+  const std::unique_ptr<float[]> partials(new float[partial_floats(decode_rows, p.num_heads, D)]);
+#pragma omp parallel num_threads(at::get_num_threads())
+  attend_team<T, KV>(p, tasks, decode_rows, D, q, kv, out, partials.get());
 }
 
 }  // namespace
@@ -1585,3 +1597,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor r
                                          seq_lens, scale);
   return run_paged_attention(*plan, q, kv);
 }
+
+int64_t paged_attention_partial_floats(const PagedAttentionPlan& plan) {
+  return partial_floats(plan.decode_rows, plan.problem.num_heads, plan.head_dim);
+}
+
+#if defined(__AVX512BF16__)
+void run_paged_attention_bf16_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
+                                   const at::BFloat16* kv, at::BFloat16* out, float* partials) {
+  Problem problem = plan.problem;
+  problem.q_row_stride = q_row_stride;
+  attend_team<at::BFloat16, at::BFloat16>(problem, plan.tasks, plan.decode_rows, plan.head_dim, q, kv, out, partials);
+}
+#endif
