@@ -216,7 +216,8 @@ def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, requ
 def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path):
     """The layer stack's steps in one parallel region (each op's team form, the linears' blocks
     balanced between threads) give the logits of its op-by-op calls bit for bit: prompt steps (the
-    last layer narrowed to the logit rows), mixed and decode steps."""
+    last layer narrowed to the logit rows), mixed and decode steps, one-row steps (their own
+    linears without AMX) included."""
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
     if not kernel.packed_bf16_rows():
@@ -229,12 +230,14 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path):
     stack = fast.model.layer_stack
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 17, 40, 90)]
-    out_region, logits_region, _ = _run_and_capture(fast, prompts)
-    steps = stack.one_region_steps
-    assert steps == len(logits_region)  # every step had several rows
-    stack.one_region = False
-    out_ops, logits_ops, _ = _run_and_capture(fast, prompts)
-    assert stack.one_region_steps == steps
-    assert out_region == out_ops and len(logits_region) == len(logits_ops)
-    for a, b in zip(logits_region, logits_ops):
-        assert torch.equal(a, b)
+    for batch in (prompts, prompts[2:3]):  # (alone, a prompt's decode steps have one row)
+        stack.one_region = True
+        steps = stack.one_region_steps
+        out_region, logits_region, _ = _run_and_capture(fast, batch)
+        assert stack.one_region_steps - steps == len(logits_region)  # every step
+        stack.one_region = False
+        out_ops, logits_ops, _ = _run_and_capture(fast, batch)
+        assert stack.one_region_steps - steps == len(logits_region)
+        assert out_region == out_ops and len(logits_region) == len(logits_ops)
+        for a, b in zip(logits_region, logits_ops):
+            assert torch.equal(a, b)

@@ -64,6 +64,10 @@ int64_t packed_bf16_cols(const torch::Tensor& packed);  // y's columns of pack_d
 // packed blocks (packed.size(0)) before the region. Ends without a barrier: the caller's.
 void linear_packed_bf16_team(const at::BFloat16* x, int64_t m, const torch::Tensor& packed, at::BFloat16* y,
                              loom::BlockClaims& claims);
+// One row of x without AMX (linear_dense's path there): y [n] = x [K] @ W.T, W [n, K] unpacked;
+// gated: W = an MLP's [gate; up] [2 inter, K] and y [inter] = silu(gate) * up (inter a multiple of 16)
+void linear_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t n, int64_t k, at::BFloat16* y);
+void gated_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t inter, int64_t k, at::BFloat16* y);
 void rms_norm_bf16_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
                         int64_t rows, int64_t dim, double eps);  // dim a multiple of 16
 // rope_ on each row's q and k heads (head_dim a multiple of 32), then its k and v heads to pool

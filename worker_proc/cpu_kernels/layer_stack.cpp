@@ -4,8 +4,8 @@
 // pay a Python call and dispatch each: at batch 1 that glue costs as much as a quarter of the
 // step (and every Python op after the weights streamed through the caches runs cold). Where every
 // op has a team form (bfloat16, packed weights) a step of several rows runs its layers in one
-// parallel region (team.h): 64-row decode steps 2.0% faster, 16-row 2.4%, the offline workload's
-// mixed steps 1.5% (AMD Zen 4, 2 threads, interleaved in one process).
+// parallel region (team.h): decode steps of 1 / 4 / 16 / 64 rows 3.1 / 3.6 / 2.4 / 2.0% faster,
+// the offline workload's mixed steps 1.5% (AMD Zen 4, 2 threads, interleaved in one process).
 
 #include <pybind11/functional.h>
 #include <ATen/Parallel.h>
@@ -186,13 +186,12 @@ class LayerStack {
 
  private:
   // One parallel region for the layers of a step (team.h) where every op has a team form:
-  // bfloat16 weights all packed (the MLP's gated), bfloat16 pools, one process. One row keeps the
-  // op-by-op path: its linears stream unpacked weights faster without AMX.
+  // bfloat16 weights all packed (the MLP's gated), bfloat16 pools, one process.
   bool runs_in_one_region(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
                           const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
                           const torch::Tensor& out_cache_loc) const {
 #if defined(__AVX512BF16__)
-    if (all_reduce_ || x.size(0) < 2 || x.scalar_type() != torch::kBFloat16 || x.size(1) % 16 || head_dim_ % 32 ||
+    if (all_reduce_ || x.size(0) == 0 || x.scalar_type() != torch::kBFloat16 || x.size(1) % 16 || head_dim_ % 32 ||
         !positions.is_contiguous() || positions.scalar_type() != torch::kInt64 || cos.scalar_type() != torch::kFloat32 ||
         sin.scalar_type() != torch::kFloat32 || !cos.is_contiguous() || !sin.is_contiguous() ||
         cos.size(1) != head_dim_ || sin.size(1) != head_dim_ || !out_cache_loc.is_contiguous())
@@ -245,22 +244,33 @@ class LayerStack {
          *projp = proj.data_ptr<bf16>(), *midp = mid.data_ptr<bf16>();
     const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
     const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
+    // (one row without AMX streams the unpacked weights, as linear_dense does: faster there)
+    const bool one_row = t == 1 && !amx_bf16();
+    const auto linear = [&](const LinearWeights& weights, const bf16* in, bf16* out, loom::BlockClaims& claims) {
+      const torch::Tensor& w = weights.tensors[0];
+      if (!one_row)
+        linear_packed_bf16_team(in, t, weights.packed(), out, claims);
+      else if (weights.gated())
+        gated_row_bf16_team(in, w.data_ptr<bf16>(), w.size(0) / 2, w.size(1), out);
+      else
+        linear_row_bf16_team(in, w.data_ptr<bf16>(), w.size(0), w.size(1), out);
+    };
 #pragma omp parallel num_threads(threads)
     for (size_t i = 0; i < count; ++i) {
       const Layer& layer = layers_[i];
       // (layer 0 normalises the embedding rows, which are the residual; later ones add the MLP's output)
       rms_norm_bf16_team(i == 0 ? xp : projp, i == 0 ? nullptr : xp, layer.input_norm.data_ptr<bf16>(), hp, t, hidden,
                          eps_);
-      linear_packed_bf16_team(hp, t, layer.qkv.packed(), qkvp, claims[4 * i]);
+      linear(layer.qkv, hp, qkvp, claims[4 * i]);
 #pragma omp barrier
       rope_store_kv_bf16_team(qkvp, t, qkv_cols, pos, cosp, sinp, num_heads_, num_kv_heads_, head_dim_, pools[i], slot);
       run_paged_attention_bf16_team(attention, qkvp, qkv_cols, pools[i], attnp, partials.get());
-      linear_packed_bf16_team(attnp, t, layer.o.packed(), projp, claims[4 * i + 1]);
+      linear(layer.o, attnp, projp, claims[4 * i + 1]);
 #pragma omp barrier
       rms_norm_bf16_team(projp, xp, layer.post_norm.data_ptr<bf16>(), hp, t, hidden, eps_);
-      linear_packed_bf16_team(hp, t, layer.gate_up.packed(), midp, claims[4 * i + 2]);
+      linear(layer.gate_up, hp, midp, claims[4 * i + 2]);
 #pragma omp barrier
-      linear_packed_bf16_team(midp, t, layer.down.packed(), projp, claims[4 * i + 3]);
+      linear(layer.down, midp, projp, claims[4 * i + 3]);
 #pragma omp barrier
     }
     x = proj;

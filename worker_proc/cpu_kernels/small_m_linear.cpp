@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "team.h"
 #include "vec_math.h"
 
 namespace {
@@ -1143,3 +1144,39 @@ torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tenso
   });
   return out;
 }
+
+#if defined(__AVX512BF16__)
+// Team forms (team.h) of the one-row bfloat16 linear: each thread streams its share of W's rows
+// (at one row the weight stream is the limit; no stealing).
+void linear_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t n, int64_t k, at::BFloat16* y) {
+  int64_t begin, end;
+  loom::team_share(n, begin, end);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t row = begin; row < end; ++row) dense_dpbf16_rows<1>(wp, row, xp, 1, k, y, n);
+}
+
+// An MLP's [gate; up] (w [2 inter, K]) on one row: y [inter] = silu(gate) * up, each thread its
+// share of columns: their gate rows, then their up rows (two sequential streams, as the
+// prefetcher likes them), then 16 columns at a time rounded where linear_dense then silu_mul
+// round (bf16 gate and up, the silu, the product).
+void gated_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t inter, int64_t k, at::BFloat16* y) {
+  int64_t begin, end;
+  loom::team_share(inter / 16, begin, end);
+  const int64_t c0 = begin * 16, cols = (end - begin) * 16;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x);
+  std::vector<float> sums(2 * cols);
+  for (int half = 0; half < 2; ++half)
+    for (int64_t j = 0; j < cols; ++j) {
+      float part[1][kXBlock];
+      dense_dpbf16_block<1, 1>(wp, half * inter + c0 + j, xp, k, part);
+      sums[half * cols + j] = part[0][0];
+    }
+  for (int64_t j = 0; j < cols; j += 16) {
+    const __m512 gate = loom::round_bf16(_mm512_loadu_ps(sums.data() + j));
+    const __m512 up = loom::round_bf16(_mm512_loadu_ps(sums.data() + cols + j));
+    loom::store16_bf16(y + c0 + j, _mm512_mul_ps(loom::round_bf16(loom::silu16(gate)), up));
+  }
+}
+#endif
