@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <vector>
 
@@ -273,37 +272,22 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const torch::Ten
   const int64_t group = std::max<int64_t>(1, kGroupBytes / block_bytes);
   // Each thread walks its blocks a group (~kGroupBytes of W, kept in L2) at a time under all rows,
   // then takes single blocks left in the others' shares. run(g0, g1, ahead): blocks [g0, g1),
-  // fetching blocks [g1, ahead) meanwhile.
-  std::function<void(int64_t, int64_t, int64_t)> run;
-  // (the first group's first pass reads W from memory unfetched: without AMX groups grow from
-  // one block, 1, 2, 4, ... up to `group`, each fetched during the passes of the one before)
-  int64_t size = group;
-  if (!amx_bf16()) {
-    size = 1;
-    run = [&](int64_t g0, int64_t g1, int64_t ahead) {
-      alignas(64) float sums[kDotRows * kBlockN];
-      const int64_t row_blocks = (m + kDotRows - 1) / kDotRows, steps = row_blocks * (g1 - g0) * (k / kBlockK);
-      const int64_t lines = (ahead - g1) * block_bytes / 64;
-      GroupPrefetch prefetch{reinterpret_cast<const char*>(wp + g1 * k * kBlockN),
-                             reinterpret_cast<const char*>(wp + ahead * k * kBlockN), (lines + steps - 1) / steps};
-      for (int64_t r = 0; r < m; r += kDotRows) {
-        const int64_t rows = std::min<int64_t>(kDotRows, m - r);
-        for (int64_t b = g0; b < g1; ++b) {
-          dot_rows_upto<kDotRows>(xp + r * k, k, wp + b * k * kBlockN, k, rows, sums, prefetch);
-          if (gated)
-            store_silu_rows(sums, rows, y + r * n + b * block_cols, n);
-          else
-            store_rows(sums, rows, y + r * n + b * block_cols, n);
-        }
-      }
-    };
-  }
+  // fetching blocks [g1, ahead) meanwhile; groups start at `size` blocks and double up to `group`.
+  const auto claim_and_run = [&](int64_t size, auto&& run) {
+    int64_t g0, g1, end;
+    for (bool more = claims.take_front(t, size, g0, g1, end); more;) {
+      size = std::min(group, 2 * size);
+      run(g0, g1, std::min(end, g1 + size));
+      more = claims.take_front(t, size, g0, g1, end);
+    }
+    for (int64_t b; claims.steal(t, b);) run(b, b + 1, b + 1);
+  };
 #if defined(LOOM_AMX)
-  // Each group in chunks of rows: full 32-row blocks, then the last partial one (its own tile
-  // configuration), so W comes from memory once a call at every row count.
-  const int64_t full_rows = m / kBlockM * kBlockM, tail = m - full_rows;
   if (amx_bf16()) {
-    run = [&](int64_t g0, int64_t g1, int64_t) {
+    // Each group in chunks of rows: full 32-row blocks, then the last partial one (its own tile
+    // configuration), so W comes from memory once a call at every row count.
+    const int64_t full_rows = m / kBlockM * kBlockM, tail = m - full_rows;
+    claim_and_run(group, [&](int64_t g0, int64_t g1, int64_t) {
       alignas(64) float sums[kBlockM * kBlockN];
       if (full_rows) configure_tiles(kBlockM);
       for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
@@ -318,20 +302,30 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const torch::Ten
           block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, gated, y + full_rows * n + b * block_cols, n,
                      sums);
       }
-    };
+    });
+    _tile_release();
+    return;
   }
 #endif
-  int64_t g0, g1, end;
-  for (bool more = claims.take_front(t, size, g0, g1, end); more;) {
-    size = std::min(group, 2 * size);
-    const int64_t ahead = std::min(end, g1 + size);
-    run(g0, g1, ahead);
-    more = claims.take_front(t, size, g0, g1, end);
-  }
-  for (int64_t b; claims.steal(t, b);) run(b, b + 1, b + 1);
-#if defined(LOOM_AMX)
-  if (amx_bf16()) _tile_release();
-#endif
+  // (the first group's first pass reads W from memory unfetched: without AMX groups grow from
+  // one block, 1, 2, 4, ... up to `group`, each fetched during the passes of the one before)
+  claim_and_run(1, [&](int64_t g0, int64_t g1, int64_t ahead) {
+    alignas(64) float sums[kDotRows * kBlockN];
+    const int64_t row_blocks = (m + kDotRows - 1) / kDotRows, steps = row_blocks * (g1 - g0) * (k / kBlockK);
+    const int64_t lines = (ahead - g1) * block_bytes / 64;
+    GroupPrefetch prefetch{reinterpret_cast<const char*>(wp + g1 * k * kBlockN),
+                           reinterpret_cast<const char*>(wp + ahead * k * kBlockN), (lines + steps - 1) / steps};
+    for (int64_t r = 0; r < m; r += kDotRows) {
+      const int64_t rows = std::min<int64_t>(kDotRows, m - r);
+      for (int64_t b = g0; b < g1; ++b) {
+        dot_rows_upto<kDotRows>(xp + r * k, k, wp + b * k * kBlockN, k, rows, sums, prefetch);
+        if (gated)
+          store_silu_rows(sums, rows, y + r * n + b * block_cols, n);
+        else
+          store_rows(sums, rows, y + r * n + b * block_cols, n);
+      }
+    }
+  });
 #else
   TORCH_CHECK(false, "linear_packed_bf16: this build has no bfloat16 products");
 #endif

@@ -54,7 +54,8 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
 torch::Tensor argmax_rows(torch::Tensor x);
 
 // Team forms (team.h), for the layer stack's one parallel region a step: every thread of the
-// region calls one with the same arguments and returns with the team's work done (a barrier).
+// region calls one with the same arguments; each ends at the team's barrier, except the linears,
+// which leave it to the caller.
 // bfloat16 throughout; the plain entry points above check what these take as given.
 namespace loom {
 class BlockClaims;

@@ -3,8 +3,8 @@
 // the Python model (worker_proc/models/llama.py), but the ~10 ops of each of 30 layers no longer
 // pay a Python call and dispatch each: at batch 1 that glue costs as much as a quarter of the
 // step (and every Python op after the weights streamed through the caches runs cold). Where every
-// op has a team form (bfloat16, packed weights) a step of several rows runs its layers in one
-// parallel region (team.h): decode steps of 1 / 4 / 16 / 64 rows 3.1 / 3.6 / 2.4 / 2.0% faster,
+// op has a team form (bfloat16, packed weights) a step runs its layers in one parallel region
+// (team.h): decode steps of 1 / 4 / 16 / 64 rows 3.1 / 3.6 / 2.4 / 2.0% faster,
 // the offline workload's mixed steps 1.5% (AMD Zen 4, 2 threads, interleaved in one process).
 
 #include <pybind11/functional.h>
