@@ -54,6 +54,7 @@ constexpr int64_t kBlockM = 2 * kTileRows;
 // weight comes from memory once a call, and x from L2/L3 once per group.
 constexpr int64_t kChunkM = 256;
 constexpr int64_t kGroupBytes = 256 << 10;
+constexpr int64_t kFetchXBytes = 128 << 10;
 
 #if defined(__AVX512BF16__)
 // rows x 32 float32 sums -> y (bf16, round to nearest even as torch rounds).
@@ -307,6 +308,11 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const torch::Ten
     return;
   }
 #endif
+  // x of a decode-sized call (up to kFetchXBytes) fetched whole at the start: its rows were written
+  // by the op before, half in the other threads' caches, and the first block's passes would wait
+  // for them a line at a time (32-row decode steps 1.0% faster, 8-row 2.6%; AMD Zen 4)
+  if (const int64_t x_bytes = m * k * static_cast<int64_t>(sizeof(at::BFloat16)); x_bytes <= kFetchXBytes)
+    for (int64_t at = 0; at < x_bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(xp) + at, _MM_HINT_T1);
   // (the first group's first pass reads W from memory unfetched: without AMX groups grow from
   // one block, 1, 2, 4, ... up to `group`, each fetched during the passes of the one before)
   claim_and_run(1, [&](int64_t g0, int64_t g1, int64_t ahead) {
