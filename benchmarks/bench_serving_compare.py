@@ -12,7 +12,10 @@
      Its start-up compiles the model (a minute or more), before any request is timed.
 
 Each side runs alone (the previous one is shut down first). Prints output tok/s of each and the
-ratios loom HTTP / loom offline, loom HTTP / llama.cpp server and loom HTTP / vLLM server.
+ratios loom HTTP / loom offline, loom HTTP / llama.cpp server and loom HTTP / vLLM server. With
+--rounds N, loom's and vLLM's servers are measured N times in turn (a fresh server each time,
+every other round vLLM first) and the ratio is the median of the rounds' ratios: a VM's speed can
+move by tens of per cent within minutes, which one pair of runs cannot tell from the engines.
 
     python benchmarks/bench_serving_compare.py                      # 64 requests, 32 streams
     python benchmarks/bench_serving_compare.py --num-prompts 128 --no-llamacpp --no-vllm
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,9 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--port", type=int, default=30700)
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp server side")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM server side")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure loom's and vLLM's servers this many times in turn; the ratio is the median of "
+                        "the rounds' (default: %(default)s)")
     add_vllm_args(p)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
 
     from benchmarks import bench_serving
     from benchmarks.bench_offline import run_loom
@@ -108,16 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                 log_level="warning") as engine:
         results["loom_offline"] = run_loom(engine, requests)
 
-    server = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(args.port), "--zmq-port", "0",
-                               "--dtype", args.dtype, "--quantization", args.quantization,
-                               "--kv-cache-dtype", args.kv_cache_dtype, "--max-running-requests",
-                               str(args.concurrency), "--log-level", "warning"], cwd=str(ROOT))
-    try:
-        wait_healthy(server, f"http://127.0.0.1:{args.port}/health", "loom server")
-        results["loom_http"] = bench_serving.run_benchmark(bench_serving.parse_args(
-            client_args(args, args.port, "loom http")))
-    finally:
-        stop(server)
+    results["loom_http"] = run_loom_server(args)
 
     if not args.no_llamacpp and llama_cpp_installed():
         port = args.port + 1
@@ -139,10 +139,23 @@ def main(argv: list[str] | None = None) -> dict:
             stop(server)
 
     if not args.no_vllm:
-        run_vllm_side(args, results)
+        vllm = run_vllm_side(args, results)
+        if vllm is not None:
+            results["vllm_http"] = vllm
+            rounds = [{"loom_http": results["loom_http"]["output_throughput"], "vllm_http": vllm["output_throughput"]}]
+            for r in range(1, args.rounds):
+                print(f"round {r + 1} of {args.rounds}", flush=True)
+                sides = [("loom_http", run_loom_server), ("vllm_http", run_vllm_side)]
+                this = {name: run(args, results)["output_throughput"] for name, run in sides[::-1 if r % 2 else 1]}
+                rounds.append(this)
+            for this in rounds:
+                this["ratio"] = this["loom_http"] / this["vllm_http"]
+            results["rounds"] = rounds
 
     offline = results["loom_offline"]["output_tok_s"]
     http = results["loom_http"]["output_throughput"]
+    if len(results.get("rounds", [])) > 1:
+        http = statistics.median(r["loom_http"] for r in results["rounds"])
     rows = [["loom offline (Engine)", f"{offline:.1f}", ""], ["loom HTTP", f"{http:.1f}", f"{http / offline:.2f}x offline"]]
     results["ratios"] = {"loom_http_over_offline": http / offline}
     if "llamacpp_http" in results:
@@ -150,24 +163,49 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(["llama.cpp server", f"{lc:.1f}", f"loom HTTP = {http / lc:.2f}x"])
         results["ratios"]["loom_http_over_llamacpp_http"] = http / lc
     if "vllm_http" in results:
-        v = results["vllm_http"]["output_throughput"]
-        rows.append(["vLLM server", f"{v:.1f}", f"loom HTTP = {http / v:.2f}x"])
-        results["ratios"]["loom_http_over_vllm_http"] = http / v
+        if len(results["rounds"]) > 1:
+            for i, r in enumerate(results["rounds"]):
+                rows.append([f"round {i + 1}: loom HTTP / vLLM", f"{r['loom_http']:.1f} / {r['vllm_http']:.1f}",
+                             f"{r['ratio']:.2f}x"])
+            v = statistics.median(r["vllm_http"] for r in results["rounds"])
+            ratio = statistics.median(r["ratio"] for r in results["rounds"])
+            rows.append(["vLLM server (median)", f"{v:.1f}", f"loom HTTP = {ratio:.2f}x (median of rounds)"])
+        else:
+            v = results["vllm_http"]["output_throughput"]
+            ratio = http / v
+            rows.append(["vLLM server", f"{v:.1f}", f"loom HTTP = {ratio:.2f}x"])
+        results["ratios"]["loom_http_over_vllm_http"] = ratio
     print(format_table(["side", "output tok/s", "ratio"], rows))
     path = write_json(args.json or default_result_path("bench_serving_compare"), results)
     print(f"results: {path}")
     return results
 
 
-def run_vllm_side(args, results: dict) -> None:
-    """vLLM's server under the client load loom's got; a line saying why not where vLLM is missing."""
+def run_loom_server(args, results: dict | None = None) -> dict:
+    """bench_serving's result against a fresh loom server (shut down after)."""
+    from benchmarks import bench_serving
+
+    server = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(args.port), "--zmq-port", "0",
+                               "--dtype", args.dtype, "--quantization", args.quantization,
+                               "--kv-cache-dtype", args.kv_cache_dtype, "--max-running-requests",
+                               str(args.concurrency), "--log-level", "warning"], cwd=str(ROOT))
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{args.port}/health", "loom server")
+        return bench_serving.run_benchmark(bench_serving.parse_args(client_args(args, args.port, "loom http")))
+    finally:
+        stop(server)
+
+
+def run_vllm_side(args, results: dict) -> dict | None:
+    """bench_serving's result against a fresh vLLM server under the client load loom's got; None,
+    after a line saying why, where vLLM is missing. Notes its version and settings in results."""
     from benchmarks import bench_serving
     from launch import ServerArgs
 
     version, why = vllm_version(args.vllm_python)
     if version is None:
         print(f"vLLM server: skipped, {why}", flush=True)
-        return
+        return None
     preloads, missing = vllm_preloads(args.vllm_python)
     loom_defaults = ServerArgs()
     # loom's limits: --concurrency requests at once, its prompt budget plus one decode each, its KV memory
@@ -188,12 +226,13 @@ def run_vllm_side(args, results: dict) -> None:
                 wait_healthy(server, f"http://127.0.0.1:{port}/health", "vLLM server", timeout_s=1200)
             except (RuntimeError, TimeoutError) as e:
                 raise RuntimeError(f"{e}; its log ends:\n{log_tail(Path(log.name))}") from None
-            results["vllm_http"] = bench_serving.run_benchmark(bench_serving.parse_args(
+            measured = bench_serving.run_benchmark(bench_serving.parse_args(
                 client_args(args, port, "vLLM server", model=str(args.model_dir))))
         finally:
             stop(server, group=True)
     results["vllm"] = {"version": version, "engine_args": engine_args, "dtype": args.vllm_dtype,
                        "omp_threads_bind": args.vllm_omp_threads_bind, "preloaded": preloads}
+    return measured
 
 
 if __name__ == "__main__":
