@@ -142,15 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
         vllm = run_vllm_side(args, results)
         if vllm is not None:
             results["vllm_http"] = vllm
-            rounds = [{"loom_http": results["loom_http"]["output_throughput"], "vllm_http": vllm["output_throughput"]}]
-            for r in range(1, args.rounds):
-                print(f"round {r + 1} of {args.rounds}", flush=True)
-                sides = [("loom_http", run_loom_server), ("vllm_http", run_vllm_side)]
-                this = {name: run(args, results)["output_throughput"] for name, run in sides[::-1 if r % 2 else 1]}
-                rounds.append(this)
-            for this in rounds:
-                this["ratio"] = this["loom_http"] / this["vllm_http"]
-            results["rounds"] = rounds
+            results["rounds"] = measure_rounds(
+                args.rounds, results["loom_http"]["output_throughput"], vllm["output_throughput"],
+                lambda: run_loom_server(args)["output_throughput"],
+                lambda: run_vllm_side(args, results)["output_throughput"])
 
     offline = results["loom_offline"]["output_tok_s"]
     http = results["loom_http"]["output_throughput"]
@@ -181,7 +176,21 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def run_loom_server(args, results: dict | None = None) -> dict:
+def measure_rounds(rounds: int, loom_first: float, vllm_first: float, run_loom, run_vllm) -> list[dict]:
+    """Each round's loom and vLLM output tok/s and their ratio: the first round's as given, then
+    rounds - 1 more, every other one vLLM first (so a VM slowing down or speeding up over the run
+    does not favour the side that always runs first)."""
+    measured = [{"loom_http": loom_first, "vllm_http": vllm_first}]
+    for r in range(1, rounds):
+        print(f"round {r + 1} of {rounds}", flush=True)
+        sides = [("loom_http", run_loom), ("vllm_http", run_vllm)]
+        measured.append({name: run() for name, run in (sides[::-1] if r % 2 else sides)})
+    for this in measured:
+        this["ratio"] = this["loom_http"] / this["vllm_http"]
+    return measured
+
+
+def run_loom_server(args) -> dict:
     """bench_serving's result against a fresh loom server (shut down after)."""
     from benchmarks import bench_serving
 

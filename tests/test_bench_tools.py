@@ -11,6 +11,7 @@ import torch
 from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
 from benchmarks.common import vllm_env, vllm_preloads, vllm_server_command, vllm_version
 from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, summarize_steps
+from benchmarks.bench_serving_compare import measure_rounds
 from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
 
 
@@ -240,3 +241,20 @@ def test_strategy_rows_compare_medians_of_repeated_live_runs():
     f = r["fidelity"]["e2e_p50_s"]
     assert r["runs"] == 3 and f["measured"] == 1.1 and f["error"] == pytest.approx(1.0 / 1.1 - 1)
     assert f["live_spread"] == pytest.approx(0.5 / 1.1) and f["measured_runs"] == [1.0, 1.5, 1.1]
+
+
+def test_serving_rounds_alternate_which_side_runs_first_and_take_each_rounds_ratio():
+    calls, loom, vllm = [], iter([300.0, 330.0]), iter([200.0, 300.0])
+
+    def run_loom():
+        calls.append("loom")
+        return next(loom)
+
+    def run_vllm():
+        calls.append("vllm")
+        return next(vllm)
+
+    rounds = measure_rounds(3, 450.0, 300.0, run_loom, run_vllm)
+    assert calls == ["vllm", "loom", "loom", "vllm"]
+    assert [r["ratio"] for r in rounds] == [1.5, 1.5, 1.1]
+    assert [(r["loom_http"], r["vllm_http"]) for r in rounds] == [(450.0, 300.0), (300.0, 200.0), (330.0, 300.0)]
