@@ -1,5 +1,5 @@
-"""The benchmark tooling's own logic (probes, rooflines, baseline lists, plots), on tiny inputs and
-no server; the last test runs bench_one_batch end to end for a few steps of the embedded model."""
+"""The benchmark tooling's own logic (probes, rooflines, baseline lists, plots, rounds), on tiny
+inputs and no server; a few tests run a bench end to end for a few steps of the embedded model."""
 
 from __future__ import annotations
 
