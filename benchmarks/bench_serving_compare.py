@@ -148,27 +148,23 @@ def main(argv: list[str] | None = None) -> dict:
                 lambda: run_vllm_side(args, results)["output_throughput"])
 
     offline = results["loom_offline"]["output_tok_s"]
-    http = results["loom_http"]["output_throughput"]
-    if len(results.get("rounds", [])) > 1:
-        http = statistics.median(r["loom_http"] for r in results["rounds"])
+    rounds = results.get("rounds", [])
+    http = statistics.median(r["loom_http"] for r in rounds) if rounds else results["loom_http"]["output_throughput"]
     rows = [["loom offline (Engine)", f"{offline:.1f}", ""], ["loom HTTP", f"{http:.1f}", f"{http / offline:.2f}x offline"]]
     results["ratios"] = {"loom_http_over_offline": http / offline}
     if "llamacpp_http" in results:
         lc = results["llamacpp_http"]["output_throughput"]
         rows.append(["llama.cpp server", f"{lc:.1f}", f"loom HTTP = {http / lc:.2f}x"])
         results["ratios"]["loom_http_over_llamacpp_http"] = http / lc
-    if "vllm_http" in results:
-        if len(results["rounds"]) > 1:
-            for i, r in enumerate(results["rounds"]):
-                rows.append([f"round {i + 1}: loom HTTP / vLLM", f"{r['loom_http']:.1f} / {r['vllm_http']:.1f}",
-                             f"{r['ratio']:.2f}x"])
-            v = statistics.median(r["vllm_http"] for r in results["rounds"])
-            ratio = statistics.median(r["ratio"] for r in results["rounds"])
-            rows.append(["vLLM server (median)", f"{v:.1f}", f"loom HTTP = {ratio:.2f}x (median of rounds)"])
-        else:
-            v = results["vllm_http"]["output_throughput"]
-            ratio = http / v
-            rows.append(["vLLM server", f"{v:.1f}", f"loom HTTP = {ratio:.2f}x"])
+    if rounds:  # (one round: its figures; more: each round's, then the medians)
+        several = len(rounds) > 1
+        for i, r in enumerate(rounds if several else []):
+            rows.append([f"round {i + 1}: loom HTTP / vLLM", f"{r['loom_http']:.1f} / {r['vllm_http']:.1f}",
+                         f"{r['ratio']:.2f}x"])
+        v = statistics.median(r["vllm_http"] for r in rounds)
+        ratio = statistics.median(r["ratio"] for r in rounds)
+        rows.append([f"vLLM server{' (median)' if several else ''}", f"{v:.1f}",
+                     f"loom HTTP = {ratio:.2f}x{' (median of rounds)' if several else ''}"])
         results["ratios"]["loom_http_over_vllm_http"] = ratio
     print(format_table(["side", "output tok/s", "ratio"], rows))
     path = write_json(args.json or default_result_path("bench_serving_compare"), results)
