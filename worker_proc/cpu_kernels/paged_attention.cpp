@@ -482,6 +482,28 @@ inline void prefetch_slot(const void* slot, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(slot) + off, 0, 2);
 }
 
+// The slots a decode task fetches ahead, by token: its own up to its end, then the first `ahead`
+// of the task its thread likely runs next, so that one does not start on a cold block (decode
+// attention alone 3-10% faster, 32-row decode steps ~1%; AMD Zen 4).
+struct SlotsAhead {
+  const int32_t* slots;
+  int64_t end;
+  const int32_t* next_slots = nullptr;
+  int64_t next_begin = 0, next_end = 0;
+
+  SlotsAhead(const Problem& p, const Task& task, const Task* next, int64_t ahead)
+      : slots(p.req_to_token + p.req_idx[task.row] * p.r2t_stride), end(task.first_token + task.num_tokens) {
+    if (next == nullptr) return;
+    next_slots = p.req_to_token + p.req_idx[next->row] * p.r2t_stride;
+    next_begin = next->first_token;
+    next_end = next->first_token + std::min(ahead, next->num_tokens);
+  }
+  // tokens that may be fetched: this task's, then the next one's first
+  int64_t limit() const { return end + next_end - next_begin; }
+  // the slot of token t (t < limit())
+  int32_t operator[](int64_t t) const { return t < end ? slots[t] : next_slots[t - end + next_begin]; }
+};
+
 // (AVX-512: a shuffle tree; a loop over the lanes extracts each one, the bulk of a decode
 // block's softmax)
 inline float lane_max(vf v) {
@@ -529,7 +551,7 @@ inline void add_values(vf (*acc)[NV], const float (*prob)[kLanes], const KV* kv,
 // online softmax (a running max and sum per head). Slots are scattered in the pool: reading them
 // whole and fetching ahead is what keeps this near the memory's speed.
 template <typename T, typename KV, int NV>
-void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv, float* partial) {
+void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv, float* partial, const Task* next) {
   constexpr int64_t D = NV * kLanes;
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, len = task.first_token + task.num_tokens, token = p.token_starts[row];
@@ -548,11 +570,13 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv,
     run_max[h] = -kInf;
     run_sum[h] = 0.f;
   }
+  const SlotsAhead ahead(p, task, next, kDecodeAhead);
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t t0 = begin; t0 < len; t0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, len - t0);
     for (int64_t i = 0; i < n; ++i) {
-      if (t0 + i + kDecodeAhead < len) prefetch_slot(kv + slots[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
+      if (t0 + i + kDecodeAhead < ahead.limit())
+        prefetch_slot(kv + ahead[t0 + i + kDecodeAhead] * p.kv_slot_stride, slot_bytes);
       const KV* k = kv + slots[t0 + i] * p.kv_slot_stride;
       for (int64_t kh = 0; kh < KVH; ++kh) {
         vf kr[NV];
@@ -621,7 +645,8 @@ inline void prefetch_slot_heads(const void* slot, int64_t bytes) {
 }
 
 template <typename T, typename KV, int NY>  // NY: 8-float registers per head row (D = 8 NY)
-void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const KV* kv, float* partial) {
+void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const KV* kv, float* partial,
+                        const Task* next) {
   constexpr int64_t D = NY * 8, B = kDecodeBlock;
   const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
   const int64_t begin = task.first_token, end = task.first_token + task.num_tokens, token = p.token_starts[row];
@@ -636,13 +661,14 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const KV
     run_max[h] = -std::numeric_limits<float>::infinity();
     run_sum[h] = 0.f;
   }
+  const SlotsAhead ahead(p, task, next, kDecodeAheadAvx2);
   for (int64_t t0 = begin; t0 < end; t0 += B) {
     const int64_t n = std::min<int64_t>(B, end - t0), padded = (n + 7) / 8 * 8;
     // prob[h][i] = q_h . k_i
     for (int64_t i0 = 0; i0 < n; i0 += kScoreKeys) {
       const int64_t nk = std::min<int64_t>(kScoreKeys, n - i0);
-      for (int64_t t = t0 + i0 + kDecodeAheadAvx2; t < std::min(t0 + i0 + nk + kDecodeAheadAvx2, end); ++t)
-        prefetch_slot_heads(kv + slots[t] * p.kv_slot_stride, slot_bytes);
+      for (int64_t t = t0 + i0 + kDecodeAheadAvx2; t < std::min(t0 + i0 + nk + kDecodeAheadAvx2, ahead.limit()); ++t)
+        prefetch_slot_heads(kv + ahead[t] * p.kv_slot_stride, slot_bytes);
       for (int64_t kh = 0; kh < KVH; ++kh)
         score_rows<D>(qs[kh * G], G, kv + kh * D, slots + t0 + i0, p.kv_slot_stride, nk, prob[kh * G] + i0, B);
     }
@@ -728,7 +754,7 @@ inline void value_heads_dpbf16(__m512 (*acc)[NV], const uint16_t (*prob)[kDpbf16
 
 template <int NV>
 void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
-                          float* partial) {
+                          float* partial, const Task* next) {
   constexpr int64_t D = NV * kLanes, kBlock = kDpbf16Block;
   constexpr int NB = NV / 2;                   // 32-element bf16 vectors per head row
   constexpr int R = NV <= 2 ? 8 : 12 / NV;     // heads whose V sums share registers (NV x R of them)
@@ -754,10 +780,11 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
   // the next block's lines are fetched a share per head's scores, so that the memory stays busy
   // while this block is computed (all at once overran the miss queues)
   const int64_t slot_lines = slot_bytes / 64;
+  const SlotsAhead ahead(p, task, next, kBlock);  // (the last block fetches the next task's first)
   int64_t fetch_slot = 0, fetch_line = 0, fetch_end = 0;
   auto fetch_ahead = [&](int64_t lines) {
     for (; lines > 0 && fetch_slot < fetch_end; --lines) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kv + slots[fetch_slot] * p.kv_slot_stride) + fetch_line * 64, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(kv + ahead[fetch_slot] * p.kv_slot_stride) + fetch_line * 64, 0, 2);
       if (++fetch_line == slot_lines) fetch_line = 0, ++fetch_slot;
     }
   };
@@ -767,7 +794,7 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
     const int64_t nb = std::min(kBlock, len - t0);
     for (int64_t i = 0; i < kBlock; ++i) slot[i] = kv + slots[t0 + std::min(i, nb - 1)] * p.kv_slot_stride;
     fetch_ahead(std::numeric_limits<int64_t>::max());  // (what the last block left)
-    fetch_slot = t0 + kBlock, fetch_line = 0, fetch_end = std::min(len, t0 + 2 * kBlock);
+    fetch_slot = std::min(t0 + kBlock, len), fetch_line = 0, fetch_end = std::min(ahead.limit(), fetch_slot + kBlock);
     const int64_t fetch_share = ((fetch_end - fetch_slot) * slot_lines + H - 1) / H;
     const vi valid = iota < static_cast<int32_t>(nb);  // tokens past the end score -inf
     for (int64_t kh = 0; kh < KVH; ++kh)
@@ -1366,6 +1393,9 @@ void attend_team(const Problem& p, const std::vector<Task>& tasks, const std::ve
       const Task& task = tasks[i];
       if (task.kv_head < 0) {  // (part of) a decode row, all heads
         float* partial = partial_at(partials, task.partial, H, D);
+        // the task this thread likely takes next (the dynamic schedule hands them out in turn)
+        const int64_t after = i + omp_get_num_threads();
+        [[maybe_unused]] const Task* next = after < num_tasks && tasks[after].kv_head < 0 ? &tasks[after] : nullptr;
 #if defined(LOOM_AMX_ATTENTION)
         if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
           if (amx && H <= 16 && D == 64) { attend_decode_amx<64>(p, task, q, kv, partial); continue; }
@@ -1374,24 +1404,24 @@ void attend_team(const Problem& p, const std::vector<Task>& tasks, const std::ve
 #endif
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
-          if (D == 64) { attend_decode_dpbf16<4>(p, task, q, kv, partial); continue; }
-          if (D == 128) { attend_decode_dpbf16<8>(p, task, q, kv, partial); continue; }
-          if (D == 32) { attend_decode_dpbf16<2>(p, task, q, kv, partial); continue; }
+          if (D == 64) { attend_decode_dpbf16<4>(p, task, q, kv, partial, next); continue; }
+          if (D == 128) { attend_decode_dpbf16<8>(p, task, q, kv, partial, next); continue; }
+          if (D == 32) { attend_decode_dpbf16<2>(p, task, q, kv, partial, next); continue; }
         }
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
         switch (D) {
-          case 16: attend_decode_avx2<T, KV, 2>(p, task, q, kv, partial); break;
-          case 32: attend_decode_avx2<T, KV, 4>(p, task, q, kv, partial); break;
-          case 64: attend_decode_avx2<T, KV, 8>(p, task, q, kv, partial); break;
-          case 128: attend_decode_avx2<T, KV, 16>(p, task, q, kv, partial); break;
+          case 16: attend_decode_avx2<T, KV, 2>(p, task, q, kv, partial, next); break;
+          case 32: attend_decode_avx2<T, KV, 4>(p, task, q, kv, partial, next); break;
+          case 64: attend_decode_avx2<T, KV, 8>(p, task, q, kv, partial, next); break;
+          case 128: attend_decode_avx2<T, KV, 16>(p, task, q, kv, partial, next); break;
         }
 #else
         switch (D) {
-          case 16: attend_decode<T, KV, 1>(p, task, q, kv, partial); break;
-          case 32: attend_decode<T, KV, 2>(p, task, q, kv, partial); break;
-          case 64: attend_decode<T, KV, 4>(p, task, q, kv, partial); break;
-          case 128: attend_decode<T, KV, 8>(p, task, q, kv, partial); break;
+          case 16: attend_decode<T, KV, 1>(p, task, q, kv, partial, next); break;
+          case 32: attend_decode<T, KV, 2>(p, task, q, kv, partial, next); break;
+          case 64: attend_decode<T, KV, 4>(p, task, q, kv, partial, next); break;
+          case 128: attend_decode<T, KV, 8>(p, task, q, kv, partial, next); break;
         }
 #endif
         continue;
