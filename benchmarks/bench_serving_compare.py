@@ -36,12 +36,14 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (ROOT, add_repo_to_path, add_vllm_args,  # noqa: E402
-                               default_result_path, format_table, log_tail, vllm_engine_args,
+from benchmarks.common import (AVX2_ONLY_ENV, ROOT, add_repo_to_path, add_vllm_args,  # noqa: E402
+                               avx2_only_vllm_env, default_result_path, format_table, log_tail, vllm_engine_args,
                                vllm_env, vllm_preloads, vllm_server_command, vllm_version, wait_healthy,
                                write_json)
 
 add_repo_to_path()
+
+from worker_proc.cpu_kernels import ISA_LEVELS  # noqa: E402
 
 
 def stop(proc: subprocess.Popen, group: bool = False) -> None:
@@ -80,6 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="none")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kernel-isa", default="native", choices=ISA_LEVELS,
+                   help="instruction-set level of loom's CPU kernels (default: %(default)s)")
+    p.add_argument("--emulate-avx2", action="store_true",
+                   help="both engines on AVX2 code only (loom's avx2 kernels; torch, oneDNN and MKL held to AVX2; "
+                        "vLLM's AVX2 build): on an AVX-512 CPU, an estimate of the ratios on an AVX2-only one "
+                        "(the instructions are the same; the memory system and clocks stay this CPU's)")
     p.add_argument("--port", type=int, default=30700)
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp server side")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM server side")
@@ -91,6 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds: at least 1")
+    if args.emulate_avx2:  # (loom's processes inherit this environment; vLLM's gets it in run_vllm_side)
+        args.kernel_isa = "avx2"
+        os.environ.update(AVX2_ONLY_ENV)
 
     from benchmarks import bench_serving
     from benchmarks.bench_offline import run_loom
@@ -101,7 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.model_dir = ensure_default_model()
     machine = probe_machine()
     print("\n".join(header_lines(machine, {"loom": f"{args.dtype}, quantization {args.quantization}, "
-                                                                f"KV cache {args.kv_cache_dtype}"}, [])))
+                                                    f"KV cache {args.kv_cache_dtype}, kernels {args.kernel_isa}"
+                                                    + (" (both engines on AVX2 code only)" if args.emulate_avx2
+                                                       else "")}, [])))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
@@ -113,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     from launch import Engine
 
     with Engine(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                max_running_requests=args.concurrency,
+                kernel_isa=args.kernel_isa, max_running_requests=args.concurrency,
                 log_level="warning") as engine:
         results["loom_offline"] = run_loom(engine, requests)
 
@@ -186,14 +199,18 @@ def measure_rounds(rounds: int, loom_first: float, vllm_first: float, run_loom, 
     return measured
 
 
+def loom_server_command(args) -> list[str]:
+    """loom's server with the offline side's settings, one running request per stream."""
+    return [sys.executable, str(ROOT / "launch.py"), "--port", str(args.port), "--zmq-port", "0",
+            "--dtype", args.dtype, "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--kernel-isa", args.kernel_isa, "--max-running-requests", str(args.concurrency), "--log-level", "warning"]
+
+
 def run_loom_server(args) -> dict:
     """bench_serving's result against a fresh loom server (shut down after)."""
     from benchmarks import bench_serving
 
-    server = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(args.port), "--zmq-port", "0",
-                               "--dtype", args.dtype, "--quantization", args.quantization,
-                               "--kv-cache-dtype", args.kv_cache_dtype, "--max-running-requests",
-                               str(args.concurrency), "--log-level", "warning"], cwd=str(ROOT))
+    server = subprocess.Popen(loom_server_command(args), cwd=str(ROOT))
     try:
         wait_healthy(server, f"http://127.0.0.1:{args.port}/health", "loom server")
         return bench_serving.run_benchmark(bench_serving.parse_args(client_args(args, args.port, "loom http")))
@@ -224,7 +241,9 @@ def run_vllm_side(args, results: dict) -> dict | None:
     with tempfile.TemporaryDirectory(prefix="loom-vllm-") as tmp, (Path(tmp) / "vllm.log").open("w") as log:
         server = subprocess.Popen(vllm_server_command(args.vllm_python, args.model_dir, port, args.vllm_dtype,
                                                       engine_args),
-                                  env=vllm_env(preloads, args.vllm_omp_threads_bind), stdout=log,
+                                  env=vllm_env(preloads, args.vllm_omp_threads_bind,
+                                               avx2_only_vllm_env(Path(tmp), dict(os.environ))
+                                               if args.emulate_avx2 else None), stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
             try:

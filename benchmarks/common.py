@@ -276,6 +276,29 @@ def vllm_env(preloads: Sequence[str], omp_bind: str, base: dict[str, str] | None
     return env
 
 
+# torch's own kernels, oneDNN and MKL held to AVX2 code (variables each reads at start-up)
+AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+# vLLM loads its AVX2 build where torch reports no AVX-512: a sitecustomize on its PYTHONPATH says so
+_NO_AVX512_SITECUSTOMIZE = """# from loom's benchmarks (--emulate-avx2): this CPU's AVX-512 hidden from vLLM's kernel choice
+try:
+    import torch.cpu
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    torch.cpu._is_amx_tile_supported = lambda: False
+except Exception:
+    pass
+"""
+
+
+def avx2_only_vllm_env(folder: Path, base: dict[str, str]) -> dict[str, str]:
+    """`base` with AVX2_ONLY_ENV and a sitecustomize (written to `folder`) that makes vLLM load its
+    AVX2 kernels: on an AVX-512 CPU, vLLM as it runs on an AVX2-only one (same instructions; the
+    memory system and clocks stay this CPU's)."""
+    (folder / "sitecustomize.py").write_text(_NO_AVX512_SITECUSTOMIZE)
+    path = os.pathsep.join(filter(None, [str(folder), base.get("PYTHONPATH")]))
+    return {**base, **AVX2_ONLY_ENV, "PYTHONPATH": path}
+
+
 def vllm_engine_args(max_num_seqs: int, max_num_batched_tokens: int, kv_cache_gb: float) -> dict[str, int]:
     """The limits vLLM gets from loom's settings: requests at once, tokens per step, KV memory."""
     return {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,

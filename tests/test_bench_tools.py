@@ -3,15 +3,17 @@ inputs and no server; a few tests run a bench end to end for a few steps of the 
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
-from benchmarks.common import vllm_env, vllm_preloads, vllm_server_command, vllm_version
+from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, vllm_env, vllm_preloads, vllm_server_command,
+                               vllm_version)
 from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, summarize_steps
-from benchmarks.bench_serving_compare import measure_rounds
+from benchmarks.bench_serving_compare import loom_server_command, measure_rounds
 from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
 
 
@@ -258,3 +260,24 @@ def test_serving_rounds_alternate_which_side_runs_first_and_take_each_rounds_rat
     assert calls == ["vllm", "loom", "loom", "vllm"]
     assert [r["ratio"] for r in rounds] == [1.5, 1.5, 1.1]
     assert [(r["loom_http"], r["vllm_http"]) for r in rounds] == [(450.0, 300.0), (300.0, 200.0), (330.0, 300.0)]
+
+
+def test_loom_server_gets_the_offline_sides_settings():
+    args = SimpleNamespace(port=30700, dtype="float32", quantization="none", kv_cache_dtype="auto",
+                              kernel_isa="avx2", concurrency=32)
+    cmd = loom_server_command(args)
+    settings = dict(zip(cmd[2::2], cmd[3::2]))
+    assert cmd[1].endswith("launch.py")
+    assert settings["--dtype"] == "float32" and settings["--kernel-isa"] == "avx2"
+    assert settings["--max-running-requests"] == "32" and settings["--port"] == "30700"
+
+
+def test_avx2_only_vllm_environment_hides_avx512_from_its_kernel_choice(tmp_path, monkeypatch):
+    env = avx2_only_vllm_env(tmp_path, {"PYTHONPATH": "/elsewhere", "HOME": "/root"})
+    assert {k: env[k] for k in AVX2_ONLY_ENV} == AVX2_ONLY_ENV and env["HOME"] == "/root"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
+    probes = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    for name in probes:  # (so that monkeypatch puts back what the sitecustomize replaces in this process)
+        monkeypatch.setattr(torch.cpu, name, getattr(torch.cpu, name))
+    exec(compile((tmp_path / "sitecustomize.py").read_text(), "sitecustomize.py", "exec"), {})
+    assert all(getattr(torch.cpu, name)() is False for name in probes)
