@@ -57,7 +57,7 @@ constexpr int64_t kGroupBytes = 256 << 10;
 constexpr int64_t kFetchXBytes = 128 << 10;
 // Up to this many rows (two passes of kDotRows) groups stay one block, each fetched during the one
 // before: doubling them asked the memory for two blocks in one block's short compute (decode steps
-// of 8 / 16 rows 5.3% / 8.4-9.4% faster; 24-32 rows within 1%; AMD Zen 4).
+// of 4 / 8 / 12 / 16 rows 4.0 / 5.3 / 6.6 / 8.4-9.6% faster; at 24-32 rows no gain; AMD Zen 4).
 constexpr int64_t kSingleBlockRows = 16;
 
 #if defined(__AVX512BF16__)
@@ -319,7 +319,8 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const torch::Ten
   if (const int64_t x_bytes = m * k * static_cast<int64_t>(sizeof(at::BFloat16)); x_bytes <= kFetchXBytes)
     for (int64_t at = 0; at < x_bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(xp) + at, _MM_HINT_T1);
   // (the first group's first pass reads W from memory unfetched: without AMX groups grow from
-  // one block, 1, 2, 4, ... up to `group`, each fetched during the passes of the one before)
+  // one block, 1, 2, 4, ... up to `group`, each fetched during the passes of the one before; up to
+  // kSingleBlockRows rows they stay one block)
   claim_and_run(1, m > kSingleBlockRows, [&](int64_t g0, int64_t g1, int64_t ahead) {
     alignas(64) float sums[kDotRows * kBlockN];
     const int64_t row_blocks = (m + kDotRows - 1) / kDotRows, steps = row_blocks * (g1 - g0) * (k / kBlockK);
