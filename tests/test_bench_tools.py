@@ -264,7 +264,7 @@ def test_serving_rounds_alternate_which_side_runs_first_and_take_each_rounds_rat
 
 def test_loom_server_gets_the_offline_sides_settings():
     args = SimpleNamespace(port=30700, dtype="float32", quantization="none", kv_cache_dtype="auto",
-                              kernel_isa="avx2", concurrency=32)
+                           kernel_isa="avx2", concurrency=32)
     cmd = loom_server_command(args)
     settings = dict(zip(cmd[2::2], cmd[3::2]))
     assert cmd[1].endswith("launch.py")
