@@ -142,9 +142,13 @@ def test_disconnecting_stream_clients_are_aborted_and_nothing_is_left(server):
 
     async def client(i: int, session: httpx.AsyncClient) -> bool:
         leave_after = rng.randint(1, 12) if i % 2 else None
-        body = {"text": f"Tell me story number {i}.", "stream": True,
-                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
-        async with session.stream("POST", server.url + "/generate", json=body) as r:
+        if i % 4 < 2:  # the native route, then the OpenAI one (its single-choice stream has no queue)
+            route, body = "/generate", {"text": f"Tell me story number {i}.", "stream": True,
+                                        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        else:
+            route, body = "/v1/completions", {"prompt": f"Tell me story number {i}.", "stream": True, "max_tokens": 24,
+                                              "temperature": 0, "ignore_eos": True}
+        async with session.stream("POST", server.url + route, json=body) as r:
             events = 0
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
