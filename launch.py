@@ -54,7 +54,8 @@ class ServerArgs:
     host: str = _arg("127.0.0.1", "HTTP and ZMQ bind address")
     port: int = _arg(30000, "HTTP port")
     zmq_port: int | None = _arg(None, "ZMQ client port (default: --port + 1; 0 picks a free port)")
-    dtype: str = _arg("auto", "compute dtype (auto times float32 and bfloat16 GEMMs on this CPU at start-up)",
+    dtype: str = _arg("auto", "compute dtype (auto times a float32 and a bfloat16 linear on this CPU at start-up, on "
+                              "the kernels the model will use)",
                       choices=("auto", *DTYPES))
     device: str = _arg("auto", "compute device (auto: cuda where a GPU is visible, else cpu)",
                        choices=("auto", "cpu", "cuda"))

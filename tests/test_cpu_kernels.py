@@ -424,3 +424,24 @@ def test_store_kv_rounds_rows_into_a_narrower_pool(kernel, dtype, kv_dtype):
         assert torch.equal(kv, want)
     with pytest.raises(RuntimeError, match="store_kv"):  # a wider pool than the rows: refused
         kernel.store_kv(torch.zeros(9, 2, 3, 32), slots, k.half(), v.half())
+
+
+def test_auto_dtype_times_the_linear_the_model_runs(kernel, monkeypatch):
+    import re
+
+    from worker_proc import dtype_probe
+    from worker_proc.linear import Linear
+
+    assert dtype_probe.resolve_dtype("float32", "cpu", kernel) == (torch.float32, "dtype float32 (asked for)")
+    with pytest.raises(ValueError, match="bfloat16"):
+        dtype_probe.resolve_dtype("fp8", "cpu", kernel)
+    timed = []  # the layers the probe timed: loom's Linear, its weight packed as at load
+    pack = Linear.pack_weight
+    monkeypatch.setattr(Linear, "pack_weight", lambda self: (pack(self), timed.append(self)))
+    dtype, why = dtype_probe.resolve_dtype("auto", "cpu", kernel)
+    assert [layer.weight.dtype for layer in timed] == [torch.float32, torch.bfloat16] and "on loom's kernels" in why
+    if kernel.packed_bf16_rows():  # (AMX or AVX512-BF16) what a bfloat16 model's linears run on
+        assert timed[1].packed is not None and timed[1].packed.numel() > 0
+    fp32, bf16 = map(float, re.findall(r"float32 ([\d.]+) ms, bfloat16 ([\d.]+) ms", why)[0])
+    assert dtype == (torch.bfloat16 if bf16 < 0.9 * fp32 else torch.float32)
+    assert "torch's GEMM" in dtype_probe.resolve_dtype("auto", "cpu", None)[1]

@@ -1,5 +1,7 @@
-"""Choosing the compute dtype: `auto` times a model-shaped GEMM in float32 and bfloat16 on this
-CPU and keeps the faster (bfloat16 wins where the CPU has AVX512-BF16/AMX, loses elsewhere)."""
+"""Choosing the compute dtype: `auto` times a model-shaped linear in float32 and bfloat16 on this
+CPU, as the model will run it (loom's kernels where they are loaded, else torch's GEMM), and keeps
+the faster. bfloat16 wins where the CPU has AMX or AVX512-BF16 products (loom packs bf16 weights
+for them), loses where it has neither."""
 
 from __future__ import annotations
 
@@ -21,20 +23,37 @@ def best_seconds(fn, reps: int = 8) -> float:
     return best
 
 
-def _gemm_seconds(dtype: torch.dtype, m: int = 256, k: int = 576, n: int = 1536) -> float:
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    return best_seconds(lambda: torch.nn.functional.linear(a, b))
+def _linear_seconds(dtype: torch.dtype, kernels, m: int = 256, k: int = 576, n: int = 1536) -> float:
+    """One prompt-sized linear: through loom's Linear (its weight packed as at load) when the
+    kernels are loaded, else torch's GEMM."""
+    x = torch.randn(m, k, dtype=dtype)
+    if kernels is None:
+        w = torch.randn(n, k, dtype=dtype)
+        return best_seconds(lambda: torch.nn.functional.linear(x, w))
+    from worker_proc.linear import Linear
+    from worker_proc.model_runner import DENSE_BF16_ROWS, SMALL_M_ROWS
+    from worker_proc.ops import Ops
+
+    layer = Linear(k, n, bias=False, ops=Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+    layer.pack_weight()
+    with torch.inference_mode():
+        return best_seconds(lambda: layer(x))
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> tuple[torch.dtype, str]:
-    """Returns the dtype and a sentence on why it was chosen."""
+def resolve_dtype(name: str, device: str = "cpu", kernels=None) -> tuple[torch.dtype, str]:
+    """Returns the dtype and a sentence on why it was chosen. `kernels`: loom's CPU kernels as the
+    model will use them (None: plain torch ops)."""
     if name != "auto":
         if name not in DTYPES:
             raise ValueError(f"--dtype {name!r}: choose auto, {', '.join(DTYPES)}")
         return DTYPES[name], f"dtype {name} (asked for)"
     if device != "cpu":
         return torch.bfloat16, "dtype bfloat16 (auto: accelerator)"
-    fp32, bf16 = _gemm_seconds(torch.float32), _gemm_seconds(torch.bfloat16)
-    # bfloat16 halves weight traffic; take it only where its GEMMs are not slower.
+    fp32, bf16 = _linear_seconds(torch.float32, kernels), _linear_seconds(torch.bfloat16, kernels)
+    # bfloat16 halves weight traffic; take it only where its products are not slower.
     chosen = "bfloat16" if bf16 < fp32 * 0.9 else "float32"
-    return DTYPES[chosen], f"dtype {chosen} (auto: GEMM float32 {fp32*1e3:.2f} ms, bfloat16 {bf16*1e3:.2f} ms)"
+    on = "loom's kernels" if kernels is not None else "torch's GEMM"
+    return DTYPES[chosen], (f"dtype {chosen} (auto: a 256-row linear on {on}: float32 {fp32*1e3:.2f} ms, "
+                            f"bfloat16 {bf16*1e3:.2f} ms)")
