@@ -42,13 +42,17 @@ def assert_nothing_left(children: list[psutil.Process], directory: str, shm_befo
     assert not shared_memory() - shm_before, shared_memory() - shm_before
 
 
-def stream_in_background(s: Server, events: list, max_new_tokens: int) -> threading.Thread:
-    """A streamed request whose events land in `events` ("[DONE]" last when the stream ended well)."""
+def stream_in_background(s: Server, events: list, max_new_tokens: int, openai: bool = False) -> threading.Thread:
+    """A streamed request (native, or OpenAI completions) whose events land in `events` ("[DONE]"
+    last when the stream ended well)."""
     def run():
-        body = {"text": "Tell me a long story.", "stream": True,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+        route, body = "/generate", {"text": "Tell me a long story.", "stream": True, "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+        if openai:
+            route, body = "/v1/completions", {"prompt": "Tell me a long story.", "stream": True, "temperature": 0,
+                                              "max_tokens": max_new_tokens, "ignore_eos": True}
         try:
-            with httpx.stream("POST", s.url + "/generate", json=body, timeout=60) as r:
+            with httpx.stream("POST", s.url + route, json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -72,9 +76,10 @@ def test_sigterm_drains_in_flight_requests_and_leaves_nothing():
     s = Server("--graceful-shutdown-timeout", "1.5")
     children, directory = s.children(), ipc_directory(s)
     assert oct(os.stat(directory).st_mode & 0o777) == "0o700"
-    short, long_ = [], []  # one finishes within the grace period, one is cut by it
-    threads = [stream_in_background(s, short, 4), stream_in_background(s, long_, 4000)]
-    wait_for(lambda: short and long_)
+    short, long_, long_openai = [], [], []  # one finishes within the grace period, the others are cut by it
+    threads = [stream_in_background(s, short, 4), stream_in_background(s, long_, 4000),
+               stream_in_background(s, long_openai, 4000, openai=True)]
+    wait_for(lambda: short and long_ and long_openai)
     start = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(5) == 0
@@ -85,6 +90,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_nothing():
     assert long_[-1] == "[DONE]", long_[-3:]
     reason = json.loads(long_[-2])["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "shutting down" in reason["message"]
+    assert long_openai[-1] == "[DONE]" and json.loads(long_openai[-2])["choices"][0]["finish_reason"] == "abort"
     assert "SIGTERM" in s.read_output()
     assert_nothing_left(children, directory, shm)
 
