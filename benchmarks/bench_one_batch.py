@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from worker_proc.dtype_probe import resolve_dtype
     from worker_proc.model_loader import ensure_default_model
-    from worker_proc.model_runner import _load_kernels
+    from worker_proc.model_runner import load_kernels
 
     torch.set_num_threads(num_cores())  # as loom's worker does
     if args.device == "auto":
@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         machine["gpu"] = torch.cuda.get_device_name()
         if args.hbm_gbps:
             machine["gemv"] = {name: {"best_gbs": args.hbm_gbps} for name in ("float32", "bfloat16", "float16")}
-    kernels = _load_kernels(args.kernel_backend, args.device, args.kernel_isa) if args.device == "cpu" else None
+    kernels = load_kernels(args.kernel_backend, args.device, args.kernel_isa) if args.device == "cpu" else None
     dtype, dtype_reason = resolve_dtype(args.dtype, args.device, kernels)  # as loom's worker decides
     dtype_name = str(dtype).removeprefix("torch.")
     model_dir = Path(args.model_path) if args.model_path else ensure_default_model()

@@ -42,11 +42,11 @@ def build_runner(args: dict):
 
     from worker_proc.dtype_probe import resolve_dtype
     from worker_proc.model_loader import resolve_model_path
-    from worker_proc.model_runner import ModelRunner, RunnerConfig, _load_kernels
+    from worker_proc.model_runner import ModelRunner, RunnerConfig, load_kernels
 
     if args.get("num_threads"):
         torch.set_num_threads(args["num_threads"])
-    dtype, why = resolve_dtype(args["dtype"], "cpu", _load_kernels(args["kernel_backend"], "cpu", args["kernel_isa"]))
+    dtype, why = resolve_dtype(args["dtype"], "cpu", load_kernels(args["kernel_backend"], "cpu", args["kernel_isa"]))
     model_dir = resolve_model_path(args["model_path"])
     runner = ModelRunner(RunnerConfig(str(model_dir), dtype, args["kv_cache_gb"], max(args["max_running_requests"], 65),
                                       context_length=args.get("context_length"), kernel_backend=args["kernel_backend"],

@@ -115,7 +115,9 @@ SMALL_M_ROWS = 8
 DENSE_BF16_ROWS = 32
 
 
-def _load_kernels(backend: str, device: str, isa: str):
+def load_kernels(backend: str, device: str, isa: str):
+    """loom's compiled CPU kernels of level `isa` as --kernel-backend asks, or None where plain
+    torch ops run (the torch backend, a GPU)."""
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"--kernel-backend {backend!r}: choose auto, torch or cpu")
     if backend == "cpu" and device != "cpu":
@@ -139,7 +141,7 @@ class ModelRunner:
         self.device = rc.device
         self.context_len = min(rc.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
-        kernels = _load_kernels(rc.kernel_backend, rc.device, rc.kernel_isa)
+        kernels = load_kernels(rc.kernel_backend, rc.device, rc.kernel_isa)
         self.kernel_backend = "cpu" if kernels is not None else "torch"
         # which build runs, and the instruction sets its code paths use
         self.on_gpu = rc.device != "cpu"

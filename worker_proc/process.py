@@ -31,7 +31,7 @@ def main(config: ChildConfig, report_ready) -> None:
     import torch  # after the sockets: a failure to import still reaches the scheduler
 
     from worker_proc.dtype_probe import DTYPES, resolve_dtype
-    from worker_proc.model_runner import ModelRunner, RunnerConfig, _load_kernels
+    from worker_proc.model_runner import ModelRunner, RunnerConfig, load_kernels
     from worker_proc.pipeline_parallel import PPGroup
     from worker_proc.tensor_parallel import TPGroup
 
@@ -47,7 +47,7 @@ def main(config: ChildConfig, report_ready) -> None:
         elif tp_size > 1:
             tp = TPGroup.connect(rank, tp_size, init_addr, args["device"])
         dtypes = list(DTYPES.values())
-        kernels = _load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"]) if index == 0 else None
+        kernels = load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"]) if index == 0 else None
         dtype, why = resolve_dtype(args["dtype"], args["device"], kernels) if index == 0 else (None, "")
         # the first worker's choice, on all (the whole world: every stage holds the same dtype)
         world = TPGroup(index, group_size, args["device"])
