@@ -305,8 +305,9 @@ class OpenAIServing:
         Validation happens here, before the stream starts, so errors in it are the engine's."""
         for _, _, sampling, _ in jobs[:1]:  # (the choices differ only in their seeds)
             self.manager.check_request(sampling, routed_dp_rank=routed_dp_rank)
-        # bounded: a client that stops reading makes the pumps wait, and each pump's generator
-        # then coalesces the request's progress into its next (cumulative) result
+        # bounded (several choices; one choice has no queue): a client that stops reading makes the
+        # pumps wait, and each request's generator then coalesces its progress into its next
+        # (cumulative) result
         queue: asyncio.Queue = asyncio.Queue(STREAM_BUFFER)
         gens = [self.manager.generate(input_ids=ids, sampling=s, stream=True, prefill_group=group,
                                       routed_dp_rank=routed_dp_rank)
