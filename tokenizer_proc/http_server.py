@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from tokenizer_proc.api_schema import ABORT, GENERATE, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
-from tokenizer_proc.openai_api import OpenAIServing, build_router
+from tokenizer_proc.openai_api import OpenAIServing, build_router, sse_data
 from tokenizer_proc.request_body import BodyError, BodyLimit, error_response, read_json_object
 
 MAX_BATCH = 4096  # prompts in one /generate request (and choices in one OpenAI request)
@@ -173,12 +172,12 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
             incremental = bool(body.get("incremental"))
             sent = {"text": 0, "ids": 0}
 
-            def event(out: dict) -> str:
+            def event(out: dict) -> bytes:
                 if incremental:  # only what is new since the previous event
                     text, ids = out["text"], out["output_ids"]
                     out = {**out, "text": text[sent["text"]:], "output_ids": ids[sent["ids"]:]}
                     sent.update(text=len(text), ids=len(ids))
-                return f"data: {json.dumps(out)}\n\n"
+                return sse_data(out)
 
             async def sse():
                 try:

@@ -27,6 +27,11 @@ STREAM_BUFFER = 64  # chunks a stream holds for a client that reads slowly; its 
 _JSON = msgspec.json.Encoder()  # (a stream's chunks: several times faster than json.dumps)
 
 
+def sse_data(obj: Any) -> bytes:
+    """One server-sent event carrying obj as JSON."""
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
@@ -350,8 +355,7 @@ class OpenAIServing:
                     yield item
 
         def chunk(payload: dict) -> bytes:
-            body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, **payload}
-            return b"data: " + _JSON.encode(body) + b"\n\n"
+            return sse_data({"id": rid, "object": obj, "created": int(time.time()), "model": model, **payload})
 
         async def events() -> AsyncIterator[str | bytes]:
             tasks: list[asyncio.Task] = []
