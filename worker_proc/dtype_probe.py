@@ -31,10 +31,9 @@ def _linear_seconds(dtype: torch.dtype, kernels, m: int = 256, k: int = 576, n: 
         w = torch.randn(n, k, dtype=dtype)
         return best_seconds(lambda: torch.nn.functional.linear(x, w))
     from worker_proc.linear import Linear
-    from worker_proc.model_runner import DENSE_BF16_ROWS, SMALL_M_ROWS
-    from worker_proc.ops import Ops
+    from worker_proc.model_runner import cpu_ops
 
-    layer = Linear(k, n, bias=False, ops=Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)).to(dtype)
+    layer = Linear(k, n, bias=False, ops=cpu_ops(kernels)).to(dtype)
     with torch.no_grad():
         layer.weight.normal_()
     layer.pack_weight()

@@ -115,6 +115,11 @@ SMALL_M_ROWS = 8
 DENSE_BF16_ROWS = 32
 
 
+def cpu_ops(kernels) -> Ops:
+    """The ops a CPU model runs on `kernels` (None: plain torch)."""
+    return Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)
+
+
 def load_kernels(backend: str, device: str, isa: str):
     """loom's compiled CPU kernels of level `isa` as --kernel-backend asks, or None where plain
     torch ops run (the torch backend, a GPU)."""
@@ -151,7 +156,7 @@ class ModelRunner:
             ops = GpuOps(rc.deterministic)
             self.kernel_isa = "triton (GPU)" + (", deterministic" if rc.deterministic else "")
         else:
-            ops = Ops(kernels, SMALL_M_ROWS, DENSE_BF16_ROWS)
+            ops = cpu_ops(kernels)
             self.kernel_isa = ("none (plain torch ops)" if kernels is None
                                else cpu_kernels.describe(rc.kernel_isa, kernels.target_macros()))
         self.tp = tp = tp or TPGroup()

@@ -47,8 +47,9 @@ def main(config: ChildConfig, report_ready) -> None:
         elif tp_size > 1:
             tp = TPGroup.connect(rank, tp_size, init_addr, args["device"])
         dtypes = list(DTYPES.values())
-        kernels = load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"]) if index == 0 else None
-        dtype, why = resolve_dtype(args["dtype"], args["device"], kernels) if index == 0 else (None, "")
+        dtype, why = (resolve_dtype(args["dtype"], args["device"],
+                                    load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"]))
+                      if index == 0 else (None, ""))
         # the first worker's choice, on all (the whole world: every stage holds the same dtype)
         world = TPGroup(index, group_size, args["device"])
         dtype = dtypes[world.broadcast_index(dtypes.index(dtype) if index == 0 else 0)]
