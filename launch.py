@@ -100,6 +100,10 @@ class ServerArgs:
     disable_overlap_schedule: bool = _arg(False, "plan each step only after the previous step's result is "
                                                  "applied (the normal loop) instead of while it runs (overlap: "
                                                  "the scheduler's CPU work hides behind the forward pass)")
+    stream_interval: int = _arg(1, "output tokens a request gathers before they go on to its stream (its first "
+                                   "token and its last go at once): larger chunks cost the tokenizer, detokenizer "
+                                   "and HTTP processes less per token, beside the workers on the same cores; a "
+                                   "request's own stream_interval may raise it")
     log_interval: int = _arg(0, "log the step metrics (forward, worker gap, scheduler CPU, busy fraction) every "
                                 "this many steps (0: never)")
     waiting_timeout: float | None = _arg(None, "abort requests queued longer than this (seconds)")
@@ -200,7 +204,8 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: at least 0 (0: no CUDA graphs)")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: a fraction in [0, 1)")
-        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters", "max_request_bytes"):
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters", "max_request_bytes",
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
         for name in ("watchdog_timeout", "graceful_shutdown_timeout"):

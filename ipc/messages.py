@@ -28,6 +28,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     logprobs: bool = False  # return each output token's logprob (of the raw model distribution)
     top_logprobs: int = 0  # and this many most likely alternatives per position
+    # output tokens gathered before they are sent on (the first and the last go at once); None:
+    # the server's --stream-interval (a request may raise it, not lower it)
+    stream_interval: int | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -101,6 +101,7 @@ class SchedulerProcess:
         # plans ahead its own way: event_loop_pipeline)
         self.overlap = (not args.get("disable_overlap_schedule", True) and not args.get("dllm_algorithm")
                         and self.pp_size == 1)
+        self.stream_interval = args.get("stream_interval") or 1  # (ServerArgs.stream_interval)
         self.watchdog_timeout = args.get("watchdog_timeout") or 0  # seconds a step may take (0: no limit)
         self.share_samples = self.overlap and args["tp_size"] > 1  # every TP rank's future map needs them
         self.launched_after_idle: set[int] = set()  # steps whose worker gap is idle time, not overhead
@@ -173,20 +174,28 @@ class SchedulerProcess:
     # ---- outputs ---------------------------------------------------------------------------
 
     def emit(self, outputs: list[ReqOutput]) -> None:
-        if not outputs:
-            return
         items = []
         for o in outputs:
             r = o.req
+            if not (o.finished or self._stream_due(r)):
+                continue
             if o.finished and self.controller is not None:
                 self.finished_since_report.append(r.rid)
-            first = r.sent_ids - len(o.new_ids)  # (output ids past sent_ids are placeholders)
+            first, r.streamed_ids = r.streamed_ids, r.sent_ids
             items.append(TokenDelta(
-                rid=r.rid, new_ids=o.new_ids, prompt_tokens=len(r.input_ids), completion_tokens=r.sent_ids,
-                finish=r.finish if o.finished else None, stop=r.sampling.stop,
+                rid=r.rid, new_ids=r.output_ids[first:r.sent_ids], prompt_tokens=len(r.input_ids),
+                completion_tokens=r.sent_ids, finish=r.finish if o.finished else None, stop=r.sampling.stop,
                 skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions,
-                logprobs=r.output_logprobs[first:] if r.sampling.logprobs else [], cached_tokens=r.cached_tokens))
-        self.detokenizer.send(BatchTokenOut(items))
+                logprobs=r.output_logprobs[first:r.sent_ids] if r.sampling.logprobs else [],
+                cached_tokens=r.cached_tokens))
+        if items:
+            self.detokenizer.send(BatchTokenOut(items))
+
+    def _stream_due(self, r: Req) -> bool:
+        """Whether a running request's tokens so far go on now: at every token with an interval
+        of 1, else its first tokens at once and then every `interval` tokens."""
+        interval = max(self.stream_interval, r.sampling.stream_interval or 1)
+        return interval == 1 or r.streamed_ids == 0 or r.sent_ids - r.streamed_ids >= interval
 
     REPORT_INTERVAL = 0.02  # seconds between load reports to the DP controller, at most
 

@@ -35,7 +35,8 @@ class Req:
     kv_reserve: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))  # slots its next decodes take
     req_pool_idx: int = -1
     retractions: int = 0
-    sent_ids: int = 0  # output ids already handed to the detokenizer
+    sent_ids: int = 0  # output ids the core has handed out (ReqOutput.new_ids)
+    streamed_ids: int = 0  # of those, sent on to the detokenizer (a stream interval holds some back)
     output_logprobs: list = field(default_factory=list)  # per output id, when the request asked
     # Requests of one prefill group (the n choices of a prompt) wait while another of the group
     # computes the prompt, then take it from the prefix cache.

@@ -123,8 +123,12 @@ def test_errors(server, client, model):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="8192"):
         client.completions.create(model=model, prompt="hi", max_tokens=9000)
-    with pytest.raises(openai.BadRequestError, match="temperature"):
+    with pytest.raises(openai.BadRequestError, match="temperature") as e:
         client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="stream_interval") as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"stream_interval": 0})
+    assert e.value.body["param"] == "stream_interval"
     r = httpx.post(server.url + "/v1/completions", content=b"{oops", headers={"Authorization": f"Bearer {KEY}",
                                                                               "content-type": "application/json"})
     assert r.status_code == 400
@@ -171,3 +175,22 @@ def test_chat_logprobs_streaming_and_not(client, model):
                                                  logprobs=True, stream=True))
     streamed = [c for ch in chunks for c in ((ch.choices[0].logprobs.content or []) if ch.choices and ch.choices[0].logprobs else [])]
     assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+
+def test_stream_interval_gathers_tokens_into_fewer_chunks(client, model):
+    """A request's stream_interval: its first token at once, then chunks of that many tokens (the
+    last one shorter), the same text and logprobs as token by token."""
+    args = dict(model=model, prompt="The capital of France is", temperature=0, max_tokens=20, logprobs=1)
+    whole = client.completions.create(**args, extra_body={"ignore_eos": True})
+    per_chunk = {}
+    for interval in (1, 6):
+        chunks = [c for c in client.completions.create(**args, stream=True,
+                                                       extra_body={"ignore_eos": True, "stream_interval": interval})
+                  if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        lps = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+        # (the repeats take the prompt from the prefix cache: float32 sums in another order)
+        assert lps == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-4)
+        per_chunk[interval] = [len(c.choices[0].logprobs.tokens) for c in chunks]
+    assert per_chunk[1] == [1] * 20
+    assert per_chunk[6] == [1, 6, 6, 6, 1]

@@ -18,7 +18,7 @@ SAMPLING_PARAMS = {
         "ignore_eos": {"type": ["boolean", "null"]}, "skip_special_tokens": {"type": ["boolean", "null"]},
         "repetition_penalty": _NUMBER, "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER,
         "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
-        "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _INT,
+        "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _INT, "stream_interval": _INT,
     },
     "additionalProperties": False,
 }
@@ -44,7 +44,7 @@ _OPENAI_SAMPLING = {
     "ignore_eos": {"type": ["boolean", "null"]}, "skip_special_tokens": {"type": ["boolean", "null"]},
     "min_tokens": _INT, "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
     "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
-    "n": _INT, "best_of": _INT, "stream": {"type": ["boolean", "null"]},
+    "n": _INT, "best_of": _INT, "stream": {"type": ["boolean", "null"]}, "stream_interval": _INT,
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
     "model": {"type": ["string", "null"]}, "routed_dp_rank": _INT, "user": {"type": ["string", "null"]},
 }

@@ -108,6 +108,7 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
          f"stop_regex patterns are at most {MAX_STOP_CHARS} characters"),
         (len(sp.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
         (0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+        (sp.stream_interval is None or sp.stream_interval >= 1, "stream_interval must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:

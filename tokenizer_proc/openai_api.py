@@ -18,6 +18,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ipc.messages import SamplingParams
 from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
@@ -54,6 +55,16 @@ def _field(body: dict, name: str, kinds: type | tuple, default: Any = None) -> A
     return value
 
 
+def _sampling_param(message: str) -> str | None:
+    """The OpenAI field a sampling check's message ("sampling_params: top_p must be ...") names."""
+    if not message.startswith("sampling_params: "):
+        return None
+    name = message.removeprefix("sampling_params: ").split(" ", 1)[0]
+    if name not in SamplingParams.__struct_fields__:
+        return None
+    return {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(name, name)
+
+
 def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
     max_tokens = None
     for name in max_tokens_names:
@@ -85,6 +96,7 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
         "frequency_penalty": _field(body, "frequency_penalty", float),
         "repetition_penalty": _field(body, "repetition_penalty", float),
         "logit_bias": logit_bias,
+        "stream_interval": _field(body, "stream_interval", int),
     }
     return {k: v for k, v in sampling.items() if v is not None}
 
@@ -432,7 +444,7 @@ def build_router(serving: OpenAIServing) -> APIRouter:
         except ApiError as e:
             return e.response()
         except RequestError as e:
-            return ApiError(400, str(e)).response()
+            return ApiError(400, str(e), _sampling_param(str(e))).response()
         except UnavailableError as e:
             return ApiError(503, str(e), kind="server_overloaded").response()
         return result
