@@ -429,3 +429,37 @@ def test_a_waiting_timeout_reaches_waiting_choices():
     assert [o.req.rid for o in ended] == ["g.0"] and second in core.waiting
     _, ended = core.next_batch(now=10.0)
     assert [o.req.rid for o in ended] == ["g.1"]
+
+def test_stream_interval_sends_the_first_tokens_at_once_then_chunks():
+    """The scheduler process's delivery (`--stream-interval`, a request's own stream_interval):
+    a running request's first tokens at once, then every `interval` tokens; the rest at its end
+    (finished or aborted), every id once and in order, logprobs alongside."""
+    from types import SimpleNamespace
+
+    from scheduler_proc.process import SchedulerProcess
+
+    proc = SchedulerProcess.__new__(SchedulerProcess)
+    sent = []
+    proc.detokenizer, proc.controller, proc.stream_interval = SimpleNamespace(send=sent.append), None, 3
+    core, worker = make_core(), FakeWorker()
+    core.add_request(req("a", 20, 10))
+    core.add_request(req("b", 30, 9, seed=1, stream_interval=4))  # raises the server's 3
+    core.add_request(req("c", 25, 50, seed=2, logprobs=True))
+    for step in range(12):
+        batch, _ = core.next_batch()
+        outputs = core.on_result(batch, worker.forward(batch.to_worker_batch()),
+                                 [("lp", step)] * sum(1 for r in batch.rows if r.samples))
+        proc.emit(outputs)
+    proc.emit(core.abort("c"))
+    chunks: dict[str, list] = {}
+    for message in sent:
+        for d in message.items:
+            chunks.setdefault(d.rid, []).append(d)
+    sizes = {rid: [len(d.new_ids) for d in ds] for rid, ds in chunks.items()}
+    assert sizes == {"a": [1, 3, 3, 3], "b": [1, 4, 4], "c": [1, 3, 3, 3, 2]}
+    ids = {rid: [t for d in ds for t in d.new_ids] for rid, ds in chunks.items()}
+    assert ids["a"] == reference(req("a", 20, 10).input_ids, 10)
+    assert ids["b"] == reference(req("b", 30, 9, seed=1).input_ids, 9)
+    assert [lp for d in chunks["c"] for lp in d.logprobs] == [("lp", s) for s in range(12)]
+    assert [d.finish is not None for d in chunks["c"]] == [False] * 4 + [True]
+    assert chunks["a"][-1].completion_tokens == 10 and chunks["a"][-1].finish.type == "length"
