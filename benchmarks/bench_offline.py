@@ -33,12 +33,15 @@ hf and hf-cb run in --hf-dtype (auto: loom's GEMM probe picks the faster dtype o
 llama.cpp runs its GGUF's own format; vLLM runs --vllm-dtype. loom is shut down before the
 baselines start and each baseline frees its model before the next, so each side has every core
 to itself. The report starts with the CPU and probes of its GEMM and GEMV limits
-(benchmarks/probes.py).
+(benchmarks/probes.py). With --rounds N and the vllm baseline, loom and vLLM run N times in
+turn and the loom/vllm ratio is the median of the rounds' (this VM's speed moves by 5-10% over
+the minutes of one run of each).
 
     python benchmarks/bench_offline.py                      # 128 requests, loom vs every baseline
     python benchmarks/bench_offline.py --quick              # smoke test: 8 short requests
     python benchmarks/bench_offline.py --quick --baseline hf-cb,llamacpp
     python benchmarks/bench_offline.py --baseline vllm --vllm-python ~/vllm-venv/bin/python
+    python benchmarks/bench_offline.py --num-requests 256 --baseline vllm --rounds 3
     python benchmarks/bench_offline.py --dtype bfloat16 --hf-dtype bfloat16 --json out.json
     python benchmarks/bench_offline.py --baseline none --num-requests 256 --max-running-requests 128
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,8 +68,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root and `benchm
 
 from benchmarks.common import (ROOT, Request, add_repo_to_path, add_vllm_args, cpu_info,
                                default_result_path, default_vllm_python, embedded_gguf, format_summary, format_table,
-                               gguf_format, llama_cpp_installed, log_tail, num_cores, random_requests, summarize,
-                               vllm_engine_args, vllm_env, vllm_preloads, vllm_version, write_json)
+                               gguf_format, llama_cpp_installed, log_tail, measure_rounds, num_cores, random_requests,
+                               summarize, vllm_engine_args, vllm_env, vllm_preloads, vllm_version, write_json)
 from benchmarks.probes import PROBE_DTYPES, header_lines, probe_machine
 
 add_repo_to_path()
@@ -117,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--llamacpp-gguf", type=Path, default=None,
                    help="GGUF file for llamacpp (default: the embedded model's; needed with --model-path)")
     add_vllm_args(b)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with the vllm baseline: run loom's Engine and vLLM this many times in turn (every other "
+                        "round vLLM first); the loom/vllm ratio is the median of the rounds' (default: %(default)s)")
     p.add_argument("--no-kernel-probe", action="store_true",
                    help="probe GEMV with torch only (loom's kernel may compile for a minute the first time)")
     p.add_argument("--json", type=Path, default=None,
@@ -126,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if pre.quick:
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
     try:
         args.baselines = parse_baselines(args.baseline, args.vllm_python)
     except ValueError as e:
@@ -466,10 +475,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      f"{', '.join(Path(p).name for p in vllm_preload) or 'nothing'}"
                      + (f" ({', '.join(vllm_missing)} not found)" if vllm_missing else ""))
 
-    engine = Engine(dtype=args.dtype, quantization=args.quantization, model_path=args.model_path,
-                    kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype,
-                    max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
-                    log_level=args.log_level)
+    def start_engine() -> Any:
+        return Engine(dtype=args.dtype, quantization=args.quantization, model_path=args.model_path,
+                      kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype,
+                      max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
+                      log_level=args.log_level)
+
+    engine = start_engine()
     try:
         tokenizer, model_dir, info = engine.tokenizer, Path(engine.model_dir), engine.server_info
         sides = {"loom": f"{info['dtype']}  ({info.get('dtype_reason', '')}); quantization {args.quantization}; "
@@ -499,6 +511,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_summary("  ttft", loom["ttft_s"]), flush=True)
 
     results: dict[str, dict[str, Any]] = {}
+    rounds: list[dict] = []
     if "hf" in args.baselines:
         print(f"hf: {len(requests)} requests in static batches of {args.hf_batch_size} ({hf_dtype_name}) ...",
               flush=True)
@@ -524,10 +537,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"warm-up take a minute or more, untimed) ...", flush=True)
         engine_args = vllm_engine_args(args.max_running_requests, args.max_prefill_tokens + args.max_running_requests,
                                        args.kv_cache_gb)  # loom's limits, as hf-cb gets them
+        env = vllm_env(vllm_preload, args.vllm_omp_threads_bind)
         results["vllm"] = {"dtype": args.vllm_dtype,
-                           **run_vllm(args.vllm_python, model_dir, requests, args.vllm_dtype, engine_args,
-                                      vllm_env(vllm_preload, args.vllm_omp_threads_bind))}
+                           **run_vllm(args.vllm_python, model_dir, requests, args.vllm_dtype, engine_args, env)}
         print_side("vllm", results["vllm"])
+        if args.rounds > 1:
+            def loom_again() -> float:
+                again = start_engine()
+                try:
+                    return run_loom(again, requests)["output_tok_s"]
+                finally:
+                    again.shutdown()
+
+            rounds = measure_rounds(
+                args.rounds, {"loom": loom["output_tok_s"], "vllm": results["vllm"]["output_tok_s"]},
+                {"loom": loom_again,
+                 "vllm": lambda: run_vllm(args.vllm_python, model_dir, requests, args.vllm_dtype, engine_args,
+                                          env)["output_tok_s"]})
 
     rows = [["loom", loom["dtype"], f"{loom['wall_s']:.2f}", f"{loom['output_tok_s']:.1f}", ""]]
     ratios = {}
@@ -537,6 +563,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append([label, r["dtype"], f"{r['wall_s']:.2f}", f"{r['output_tok_s']:.1f}",
                      f"{ratios[f'loom/{name}']:.2f}x"])
     print("\n" + format_table(["side", "dtype", "wall s", "output tok/s", "loom/side"], rows))
+    if rounds:
+        for i, r in enumerate(rounds):
+            print(f"round {i + 1}: loom / vllm {r['loom']:.1f} / {r['vllm']:.1f} output tok/s = {r['ratio']:.2f}x")
+        ratios["loom/vllm"] = statistics.median(r["ratio"] for r in rounds)
+        print(f"loom/vllm: median of {len(rounds)} rounds {ratios['loom/vllm']:.2f}x")
     for name, ratio in ratios.items():
         print(f"ratio {name}: {ratio:.2f}x")
 
@@ -560,6 +591,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "llamacpp": results.get("llamacpp"),
         "vllm": results.get("vllm"),
         "baselines": args.baselines,
+        "rounds": rounds,  # loom and vLLM output tok/s and their ratio per round (with --rounds > 1)
         "ratio_loom_over_hf": ratios.get("loom/hf"),
         "ratios_loom_over": {name.removeprefix("loom/"): r for name, r in ratios.items()},
     }

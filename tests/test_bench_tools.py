@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
-from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, vllm_env, vllm_preloads, vllm_server_command,
-                               vllm_version)
+from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, measure_rounds, vllm_env, vllm_preloads,
+                               vllm_server_command, vllm_version)
 from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, summarize_steps
-from benchmarks.bench_serving_compare import loom_server_command, measure_rounds
+from benchmarks.bench_serving_compare import loom_server_command
 from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
 
 
@@ -256,7 +256,8 @@ def test_serving_rounds_alternate_which_side_runs_first_and_take_each_rounds_rat
         calls.append("vllm")
         return next(vllm)
 
-    rounds = measure_rounds(3, 450.0, 300.0, run_loom, run_vllm)
+    rounds = measure_rounds(3, {"loom_http": 450.0, "vllm_http": 300.0},
+                            {"loom_http": run_loom, "vllm_http": run_vllm})
     assert calls == ["vllm", "loom", "loom", "vllm"]
     assert [r["ratio"] for r in rounds] == [1.5, 1.5, 1.1]
     assert [(r["loom_http"], r["vllm_http"]) for r in rounds] == [(450.0, 300.0), (300.0, 200.0), (330.0, 300.0)]
