@@ -196,11 +196,11 @@ def test_dense_float32_linear_at_every_row_count(kernel, m, n, k):
     torch.testing.assert_close(kernel.linear_dense(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 13, 17, 32, 200, 515])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 9, 13, 17, 32, 200, 515])
 @pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (40, 72), (7, 64)])
 def test_dense_float32_linear_on_weights_packed_at_load(kernel, m, n, k):
     """linear_dense on pack_dense_f32's panels of 16 rows (AVX2) or 32 (AVX-512), at any row count
-    (7, 8, 13, 32, 200: AVX2 builds split their last 7 or 8 rows into two tiles), the last rows
+    (7, 8, 9, 13, 32, 200: AVX2 builds split their last 7 to 9 rows into two tiles), the last rows
     that fill no panel from w, where the build packs; elsewhere pack_dense_f32 is empty and
     linear_dense takes w as before."""
     torch.manual_seed(m * 1000 + n)

@@ -765,10 +765,11 @@ constexpr bool kSplitShortTail = false;  // (5 + 4 rows for 8 + 1 ran 3-5% slowe
 constexpr int64_t kDenseF32Rows = 512;
 constexpr int64_t kPanel = 16;
 constexpr int kPanelTileRows = 6;
-// Two FMA pipes of 4-cycle latency keep busy with 8 independent sums: a tile of 6 rows (12) or
-// 4 (8) does, one of 2 rows (4 sums) runs at half rate and of 1 row at a quarter. So 6 + 2 rows
-// run as 4 + 4 and 6 + 1 as 4 + 3: AVX2 kernels on an AMD Zen 4, outputs identical, 32 rows
-// 1.6-2.5% faster (decode steps 1.8%), 8 rows 6-12% (decode steps 4.5%).
+// Two FMA pipes of 4-cycle latency keep busy with 8 independent sums: a tile of 4 to 6 rows (8 to
+// 12) does, one of 3 rows (6 sums) runs at 3/4 of the rate, of 2 at half, of 1 at a quarter. So
+// 6 + 3 rows run as 5 + 4, 6 + 2 as 4 + 4 and 6 + 1 as 4 + 3: AVX2 kernels on an AMD Zen 4,
+// outputs identical, 32 rows 1.6-2.5% faster (decode steps 1.8%), 8 rows 6-12% (decode steps
+// 4.5%), 9-39 rows with 3 left over 1-5% (one shape 2% slower at 9 rows).
 constexpr bool kSplitShortTail = true;
 #endif
 constexpr int64_t kPanelK = 256;   // inputs per panel chunk: 16 KB (AVX2) or 32 KB (AVX-512) of L1
@@ -883,10 +884,10 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
         const float* panel = packed ? packed + p * k * kPanel + k0 * kPanel : own_panel;
         if (!packed) pack_panel(w, k, p * kPanel, k0, kb, own_panel);
         const bool last_chunk = k0 + kPanelK >= k;
-        // Rows in tiles of kPanelTileRows; on AVX2 a short remainder (1 or 2 rows) and the last
+        // Rows in tiles of kPanelTileRows; on AVX2 a short remainder (1 to 3 rows) and the last
         // full tile become two tiles of about equal size (kSplitShortTail)
         const int64_t rest = m % kPanelTileRows;
-        const bool split = kSplitShortTail && rest && rest < kPanelTileRows / 2 && m > kPanelTileRows;
+        const bool split = kSplitShortTail && rest && rest <= kPanelTileRows / 2 && m > kPanelTileRows;
         const int64_t full_end = split ? m - rest - kPanelTileRows : m - rest;
         const int64_t tiles = full_end / kPanelTileRows + (split ? 2 : rest ? 1 : 0);
         // packed chunks lie in order: the next one (this panel's or the next panel's first) follows
