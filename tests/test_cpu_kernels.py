@@ -216,12 +216,13 @@ def test_dense_float32_linear_on_weights_packed_at_load(kernel, m, n, k):
     torch.testing.assert_close(kernel.linear_dense(x, w, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 16, 17, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 14, 15, 16, 17, 26, 31, 32, 33, 100, 300])
 @pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 32), (45, 576), (64, 72)])
 def test_bfloat16_linear_on_packed_weights(kernel, m, n, k):
     """linear_dense on pack_dense_bf16's weights: on AMX tiles, row counts that leave one or two
     partial row tiles (m % 16, m % 32) and pass a chunk of 256 rows; by vdpbf16ps elsewhere, row
-    counts that leave a partial block of 12. Only builds with AMX (on a CPU that grants it) or
+    counts that leave a partial block of 12 (1 to 3 rows: with the full block before it, split in
+    two). Only builds with AMX (on a CPU that grants it) or
     AVX512-BF16 pack (N and K multiples of 32); elsewhere the pack is empty and linear_dense keeps
     its other paths."""
     torch.manual_seed(m * 1000 + n)
@@ -242,7 +243,7 @@ def test_bfloat16_linear_on_packed_weights(kernel, m, n, k):
     torch.testing.assert_close(y.float(), F.linear(x.double(), w.double()).bfloat16().float(), atol=1e-2, rtol=8e-3)
 
 
-@pytest.mark.parametrize("m", [1, 16, 17, 33, 300])
+@pytest.mark.parametrize("m", [1, 14, 16, 17, 33, 300])
 @pytest.mark.parametrize("inter,k", [(1536, 576), (16, 64), (48, 96), (40, 64)])
 def test_gated_packed_linear_is_silu_of_gate_times_up(kernel, m, inter, k):
     """pack_dense_bf16(gated=True) of an MLP's [gate; up]: linear_dense returns silu(gate) * up,
