@@ -145,6 +145,11 @@ def test_bad_sampling_params_are_rejected_with_the_field(engine):
         engine.generate("hi", {"top_p": 0})
     with pytest.raises(RequestError, match="unknown"):
         engine.generate("hi", {"temprature": 0})
+    # integers past 64 bits could not travel to the scheduler: refused here, not left hanging
+    for field, value in [("top_k", 2**70), ("seed", 2**64), ("stream_interval", 2**63),
+                         ("stop_token_ids", [2**70]), ("logit_bias", {str(2**70): 1.0})]:
+        with pytest.raises(RequestError, match=field):
+            engine.generate("hi", {field: value})
     assert engine.generate("hi", {"max_new_tokens": 2, "temperature": None})["meta_info"]["completion_tokens"] == 2
 
 

@@ -84,6 +84,14 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
             sp = msgspec.convert(raw, SamplingParams, strict=False)
         except msgspec.ValidationError as e:
             raise RequestError(f"sampling_params: {e}") from None
+    # (the scheduler's messages carry 64-bit integers: a larger one would fail there, not here)
+    for name in ("max_new_tokens", "min_new_tokens", "top_k", "seed", "top_logprobs", "stream_interval"):
+        value = getattr(sp, name)
+        if value is not None and not INT64[0] <= value <= INT64[1]:
+            raise RequestError(f"sampling_params: {name} must be a 64-bit integer, got {str(value)[:40]}")
+    for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias)):
+        if not all(INT64[0] <= i <= INT64[1] for i in ids):
+            raise RequestError(f"sampling_params: {name} takes 64-bit token ids")
     floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
     for name in floats:
         if not math.isfinite(getattr(sp, name)):
