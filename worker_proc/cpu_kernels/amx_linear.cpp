@@ -327,15 +327,12 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const torch::Ten
     // busy: with the full block before it, it runs as two of about equal size (12 + 1 as 7 + 6).
     // Decode steps (AMD Zen 4, interleaved A/B, outputs identical): 13 rows 1.34x, 14 rows 1.08x,
     // 25 rows 1.10x, 26 rows 1.05x, 37 rows 1.06x.
-    const int64_t rest = m % kDotRows;
-    const bool split = rest && rest <= kDotRows / 4 && m > kDotRows;
     const int64_t row_blocks = (m + kDotRows - 1) / kDotRows, steps = row_blocks * (g1 - g0) * (k / kBlockK);
     const int64_t lines = (ahead - g1) * block_bytes / 64;
     GroupPrefetch prefetch{reinterpret_cast<const char*>(wp + g1 * k * kBlockN),
                            reinterpret_cast<const char*>(wp + ahead * k * kBlockN), (lines + steps - 1) / steps};
-    const int64_t split_at = split ? m - rest - kDotRows : m;
     for (int64_t r = 0, rows; r < m; r += rows) {
-      rows = r < split_at ? std::min<int64_t>(kDotRows, m - r) : r == split_at ? (m - r + 1) / 2 : m - r;
+      rows = loom::row_tile_at(r, m, kDotRows, kDotRows / 4);
       for (int64_t b = g0; b < g1; ++b) {
         dot_rows_upto<kDotRows>(xp + r * k, k, wp + b * k * kBlockN, k, rows, sums, prefetch);
         if (gated)

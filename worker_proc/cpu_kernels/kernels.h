@@ -4,8 +4,20 @@
 #pragma once
 #include <torch/types.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
+
+namespace loom {
+// Row tiles of a register-tile kernel: `tile` rows each, except that a last tile of 1 to
+// `short_max` rows (too few independent sums to keep the multiply-adds busy) and the full tile
+// before it become two of about equal size. The rows of the tile that starts at row r of m.
+inline int64_t row_tile_at(int64_t r, int64_t m, int64_t tile, int64_t short_max) {
+  const int64_t left = m - r, rest = m % tile;
+  return rest && rest <= short_max && left == tile + rest ? (left + 1) / 2 : std::min(tile, left);
+}
+}  // namespace loom
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
                               torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,

@@ -760,8 +760,8 @@ constexpr int64_t kDotMaxRows = 16;
 constexpr int64_t kDenseF32Rows = 256;
 constexpr int64_t kPanel = 32;     // W rows per packed panel (two registers of y per row of x)
 constexpr int kPanelTileRows = 8;
-constexpr bool kSplitShortTail = false;  // (5 + 4 rows for 8 + 1 ran 3-5% slower on Zen 4, whose
-                                         // 512-bit FMAs, one a cycle, keep busy with half the sums)
+constexpr int64_t kShortTailRows = 0;  // (5 + 4 rows for 8 + 1 ran 3-5% slower on Zen 4, whose
+                                       // 512-bit FMAs, one a cycle, keep busy with half the sums)
 #else
 constexpr int64_t kDenseF32Rows = 512;
 constexpr int64_t kPanel = 16;
@@ -771,7 +771,7 @@ constexpr int kPanelTileRows = 6;
 // 6 + 3 rows run as 5 + 4, 6 + 2 as 4 + 4 and 6 + 1 as 4 + 3: AVX2 kernels on an AMD Zen 4,
 // outputs identical, 32 rows 1.6-2.5% faster (decode steps 1.8%), 8 rows 6-12% (decode steps
 // 4.5%), 9-39 rows with 3 left over 1-5% (one shape 2% slower at 9 rows).
-constexpr bool kSplitShortTail = true;
+constexpr int64_t kShortTailRows = 3;  // (loom::row_tile_at)
 #endif
 constexpr int64_t kPanelK = 256;   // inputs per panel chunk: 16 KB (AVX2) or 32 KB (AVX-512) of L1
 
@@ -884,31 +884,19 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
       const float* panel = packed ? packed + p * k * kPanel + k0 * kPanel : own_panel;
       if (!packed) pack_panel(w, k, p * kPanel, k0, kb, own_panel);
       const bool last_chunk = k0 + kPanelK >= k;
-      // Rows in tiles of kPanelTileRows; on AVX2 a short remainder (1 to 3 rows) and the last
-      // full tile become two tiles of about equal size (kSplitShortTail)
-      const int64_t rest = m % kPanelTileRows;
-      const bool split = kSplitShortTail && rest && rest <= kPanelTileRows / 2 && m > kPanelTileRows;
-      const int64_t full_end = split ? m - rest - kPanelTileRows : m - rest;
-      const int64_t tiles = full_end / kPanelTileRows + (split ? 2 : rest ? 1 : 0);
       // packed chunks lie in order: the next one (this panel's or the next panel's first) follows
       NextChunkFetch fetch(w, packed ? panel + kb * kPanel : nullptr, k, (last_chunk ? p + 1 : p) * kPanel,
-                           last_chunk ? 0 : k0 + kPanelK, last_chunk && !fetch_next ? 0 : tiles);
+                           last_chunk ? 0 : k0 + kPanelK,
+                           last_chunk && !fetch_next ? 0 : (m + kPanelTileRows - 1) / kPanelTileRows);
       float* yp = y + p * kPanel;
       const float* xp = x + k0;
       const bool first = k0 == 0;
-      int64_t i = 0;
-      for (; i < full_end; i += kPanelTileRows) {
-        panel_tile<kPanelTileRows>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
-        fetch.after_tile();
-      }
-      if (split) {
-        const int64_t a = (m - i + 1) / 2;
-        panel_tail<kPanelTileRows - 1>(a, xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
-        fetch.after_tile();
-        i += a;
-      }
-      if (i < m) {
-        panel_tail<kPanelTileRows - 1>(m - i, xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
+      for (int64_t i = 0, rows; i < m; i += rows) {
+        rows = loom::row_tile_at(i, m, kPanelTileRows, kShortTailRows);
+        if (rows == kPanelTileRows)
+          panel_tile<kPanelTileRows>(xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
+        else
+          panel_tail<kPanelTileRows - 1>(rows, xp + i * k, k, panel, kb, yp + i * n_out, n_out, first);
         fetch.after_tile();
       }
     }
