@@ -188,6 +188,35 @@ def test_norms_and_activation_match_the_torch_ops(dtype):
     torch.testing.assert_close(triton_ops.silu_mul(gate_up), reference.silu_mul(gate_up), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_kv_store_give_the_torch_ops_bits(dtype):
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, tokens = 5, 2, HEAD_DIM, 7  # q heads 3, k heads 2 rotated; v after them
+    qkv = torch.randn(tokens, (heads + kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 300, (tokens,), generator=g).to(DEVICE)
+    angles = torch.arange(300, dtype=torch.float32)[:, None] * (0.5 ** torch.arange(head_dim // 2))[None, :]
+    cos, sin = (f(torch.cat((angles, angles), dim=1)).to(DEVICE) for f in (torch.cos, torch.sin))
+    expected = qkv.clone()
+    Ops().rope_(expected, positions, cos, sin, heads, head_dim)
+    rotated = qkv.clone()
+    triton_ops.GpuOps().rope_(rotated, positions, cos, sin, heads, head_dim)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(rotated, expected)
+    else:  # the interpreter rounds float32 to bfloat16 by truncation; a GPU to nearest, as torch
+        torch.testing.assert_close(rotated, expected, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(rotated, qkv)
+
+    k = rotated[:, 3 * head_dim : heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = rotated[:, heads * head_dim :].view(tokens, kv_heads, head_dim)
+    for pool_dtype in (dtype, torch.float16):
+        kv = torch.randn(20, 2, kv_heads, head_dim, generator=g).to(pool_dtype).to(DEVICE)
+        loc = torch.randperm(20, generator=g)[:tokens].to(DEVICE)
+        want = kv.clone()
+        want.view(20, -1).index_copy_(0, loc, torch.cat((k, v), dim=1).view(tokens, -1).to(pool_dtype))
+        triton_attention.store_kv(kv, loc, k, v)
+        assert torch.equal(kv, want)
+
+
 def test_gpu_ops_take_every_argument_the_cpu_ops_take():
     """The models call one Ops interface: each method GpuOps overrides accepts the CPU Ops' parameters
     (a parameter added on the CPU side alone breaks every GPU step, and no CPU test runs GpuOps)."""
@@ -224,6 +253,9 @@ kernels = {  # kernel: (its pointer and float arguments, its constants); the res
     triton_attention._decode_merge_kernel: (attention, dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64)),
     triton_ops._add_rms_norm_kernel: (ops, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     triton_ops._silu_mul_kernel: (ops, dict(BLOCK=1024)),
+    triton_ops._rope_kernel: (ops | {"QKV": "*" + dtype, "positions": "*i64", "COS": "*fp32", "SIN": "*fp32"},
+                              dict(BLOCK_H=16, BLOCK_D=32)),
+    triton_attention._store_kv_kernel: (attention | {"KV": "*" + dtype, "out_cache_loc": "*i64"}, dict(BLOCK=256)),
     triton_ops._matmul_kernel: (ops, dict(HAS_SCALE=True, HAS_BIAS=True, PRECISION=precision, BLOCK_M=64, BLOCK_N=64,
                                           BLOCK_K=64)),
 }

@@ -201,8 +201,8 @@ class TritonAttention:
         self.num_splits = self.decode_splits(len(dec_row))
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        store_kv(self.pool, layer_id, self.out_cache_loc, k, v)
         kv, r2t = self.pool.kv[layer_id], self.pool.req_to_token
+        self.kernels.store_kv(kv, self.out_cache_loc, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.kernels.decode_attention(q, kv, out, r2t, self.dec_row, self.dec_req, self.dec_len, self.scale,
                                       self.num_splits, self.split_tokens)

@@ -11,6 +11,8 @@ head (GQA: `group` query heads per KV head).
   positions k with k // B <= p // B. B = 1 is the causal mask of a language model; a diffusion
   LLM denoising a block of B tokens (aligned to B) sees every committed token before its block
   and the whole block.
+- `store_kv`: this step's K and V rows into their slots, one program per token (in place of a
+  concatenation, a cast and an index copy: three launches a layer).
 - `decode_attention`: one query token per row, split-K. Stage 1: one program per (row, KV head,
   split) computes its split's partial output and log-sum-exp for all query heads of the KV head
   at once; stage 2 merges the splits of each (row, head) in split order. The split length is
@@ -202,6 +204,28 @@ def extend_attention(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, req_t
         req_to_token.stride(0),
         GROUP=num_heads // kv.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL_BLOCK=causal_block, PRECISION=_precision(q.dtype))
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KV, out_cache_loc, stride_k, stride_v, stride_slot, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(out_cache_loc + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < n_cols
+    k = tl.load(K + row * stride_k + cols, mask=valid)
+    v = tl.load(V + row * stride_v + cols, mask=valid)
+    tl.store(KV + slot * stride_slot + cols, k.to(KV.dtype.element_ty), mask=valid)
+    tl.store(KV + slot * stride_slot + n_cols + cols, v.to(KV.dtype.element_ty), mask=valid)
+
+
+def store_kv(kv: torch.Tensor, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """kv[out_cache_loc[t]] = (k[t], v[t]) in the pool's dtype: kv the layer's pool [slots, 2, KVH,
+    Dh], k/v [T, KVH, Dh] (views of the fused qkv rows allowed: unit stride within a row)."""
+    t, n = k.shape[0], k.shape[1] * k.shape[2]
+    k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (k, v))
+    if t:
+        _store_kv_kernel[(t,)](k, v, kv, out_cache_loc, k.stride(0), v.stride(0), kv.stride(0), n,
+                               BLOCK=triton.next_power_of_2(n))
 
 
 def decode_splits(num_rows: int, num_kv_heads: int, num_sms: int) -> int:

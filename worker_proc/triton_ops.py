@@ -6,6 +6,8 @@ the activation dtype at the same points).
 - `rms_norm` / `add_rms_norm`: one program per row (the residual add, its rounding to the
   activation dtype and the norm in one pass over the row).
 - `silu_mul`: [T, 2I] = [gate | up] -> silu(gate) * up in one pass.
+- `rope_`: the rotary embedding of a row's q and k heads in place, one program per token (the
+  torch form is ~10 launches a layer: gathers, casts, a concatenation, products).
 - `matmul`: y = x @ w.T (+ bias), w dense or int8 with a per-row scale (weight-only int8, the
   codes widened in registers), tiles of fixed size whatever the number of rows, so each output's
   reduction runs in the same order at batch 1 and inside any batch (batch-invariant, for
@@ -14,6 +16,8 @@ the activation dtype at the same points).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,8 @@ from worker_proc.ops import Ops, dequantize_int4
 
 # deterministic mode's tiles: the same for every shape (what makes the results batch-invariant)
 MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 64, 64
+# a launch option of the compiler; the interpreter has no fusion to turn off (and takes no such option)
+NO_FP_FUSION = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -82,6 +88,44 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), y.stride(0), n,
                                                      BLOCK=min(block, triton.next_power_of_2(n)))
     return y
+
+
+@triton.jit
+def _rope_kernel(QKV, positions, COS, SIN, stride_row, stride_pos, heads, half,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + row).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    valid = (h < heads) & (d < half)
+    first = QKV + row * stride_row + h * (2 * half) + d
+    x1 = tl.load(first, mask=valid, other=0.0)
+    x2 = tl.load(first + half, mask=valid, other=0.0)
+    dt = x1.dtype
+    # cos/sin rounded to the activation dtype and each product and the sum rounded to it, as the
+    # torch reference (and HF) compute it: the same bits, not just close ones
+    c1 = tl.load(COS + pos * stride_pos + d, mask=d < half, other=0.0).to(dt).to(tl.float32)
+    c2 = tl.load(COS + pos * stride_pos + half + d, mask=d < half, other=0.0).to(dt).to(tl.float32)
+    s1 = tl.load(SIN + pos * stride_pos + d, mask=d < half, other=0.0).to(dt).to(tl.float32)
+    s2 = tl.load(SIN + pos * stride_pos + half + d, mask=d < half, other=0.0).to(dt).to(tl.float32)
+    a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+    b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+    tl.store(first, (a1 + b1).to(dt), mask=valid)
+    tl.store(first + half, (a2 + b2).to(dt), mask=valid)
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+          head_dim: int) -> None:
+    """Rotates the first `heads` heads of each row of qkv [T, W] (unit stride on W) in place;
+    cos/sin [positions, head_dim] float32 tables."""
+    if len(qkv):
+        half = head_dim // 2
+        # no fused multiply-adds: each product rounds on its own, as in the reference
+        _rope_kernel[(len(qkv),)](qkv, positions, cos, sin, qkv.stride(0), cos.stride(0), heads, half,
+                                  BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(half),
+                                  **NO_FP_FUSION)
 
 
 @triton.jit
@@ -149,6 +193,12 @@ class GpuOps(Ops):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up.contiguous())
+
+    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              heads: int, head_dim: int) -> None:
+        if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(0) != cos.stride(0):
+            return super().rope_(qkv, positions, cos, sin, heads, head_dim)
+        rope_(qkv, positions, cos, sin, heads, head_dim)
 
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      packed: torch.Tensor | None = None, onednn: torch.Tensor | None = None) -> torch.Tensor:
