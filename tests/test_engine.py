@@ -150,6 +150,10 @@ def test_bad_sampling_params_are_rejected_with_the_field(engine):
                          ("stop_token_ids", [2**70]), ("logit_bias", {str(2**70): 1.0})]:
         with pytest.raises(RequestError, match=field):
             engine.generate("hi", {field: value})
+    # a lone surrogate (valid JSON, "\ud800") is not text any wire can carry
+    for field in ("stop", "stop_regex"):
+        with pytest.raises(RequestError, match="stop"):
+            engine.generate("hi", {field: ["ok", "\ud800"]})
     assert engine.generate("hi", {"max_new_tokens": 2, "temperature": None})["meta_info"]["completion_tokens"] == 2
 
 

@@ -105,3 +105,37 @@ def test_text_beyond_the_model_s_vocabulary_is_refused(scheduler):
         manager.tokenize("Ax", None, "prompt")
     with pytest.raises(RequestError, match=r"0\.\.99"):
         manager.tokenize(None, [5, 150])
+
+
+def test_a_request_that_cannot_be_encoded_ends_with_an_error_and_spares_its_frame(scheduler):
+    """Requests are checked before they are queued; should one still fail to encode, it ends with
+    an error instead of hanging, and the requests sharing its frame still reach the scheduler."""
+    from tokenizer_proc.manager import RequestError
+
+    async def main():
+        manager = manager_for(scheduler)
+        with pytest.raises(RequestError, match="rid"):
+            await manager.generate_final(input_ids=[5], sampling={"max_new_tokens": 4}, rid="\ud800")
+        encode = manager.encoder.encode
+
+        class PickyEncoder:
+            def encode(self, msg):
+                if any(r.rid == "bad" for r in (msg.reqs if isinstance(msg, GenerateReqs) else [msg])):
+                    raise TypeError("cannot encode this one")
+                return encode(msg)
+
+        manager.encoder = PickyEncoder()
+        tasks = [asyncio.create_task(manager.generate_final(input_ids=[5, 6], sampling={"max_new_tokens": 4},
+                                                            rid=rid)) for rid in ("a", "bad", "b")]
+        bad = await asyncio.wait_for(tasks[1], 5)
+        assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "cannot encode this one" in bad["meta_info"]["finish_reason"]["message"]
+        frame = scheduler.receive()
+        assert isinstance(frame, GenerateReqs) and [r.rid for r in frame.reqs] == ["a", "b"]
+        for t in (tasks[0], tasks[2]):
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        await manager.close()
+
+    asyncio.run(main())

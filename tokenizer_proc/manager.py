@@ -66,6 +66,16 @@ MAX_ID_CHARS = 256  # a request id or routing key
 INT64 = (-(2**63), 2**63 - 1)
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` is valid Unicode (JSON's escapes can give a lone surrogate, which no wire
+    encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     """Build and validate sampling parameters; null fields take their defaults."""
     if isinstance(raw, SamplingParams):
@@ -109,6 +119,7 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         (all(-100 <= b <= 100 for b in sp.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         (len(sp.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
         (all(isinstance(s, str) and s for s in sp.stop), "stop must be non-empty strings"),
+        (all(map(is_utf8, [*sp.stop, *sp.stop_regex])), "stop and stop_regex must be valid Unicode text"),
         (len(sp.stop) <= MAX_STOPS, f"stop takes at most {MAX_STOPS} strings, got {len(sp.stop)}"),
         (all(len(s) <= MAX_STOP_CHARS for s in sp.stop), f"stop strings are at most {MAX_STOP_CHARS} characters"),
         (len(sp.stop_regex) <= MAX_STOPS, f"stop_regex takes at most {MAX_STOPS} patterns, got {len(sp.stop_regex)}"),
@@ -252,8 +263,8 @@ class TokenizerManager:
         if type(priority) is not int or not INT64[0] <= priority <= INT64[1]:
             raise RequestError(f"priority must be a 64-bit integer, got {str(priority)[:40]}")
         for name, value in (("rid", rid), ("routing_key", routing_key)):
-            if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
-                raise RequestError(f"{name} must be a string of at most {MAX_ID_CHARS} characters")
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS or not is_utf8(value)):
+                raise RequestError(f"{name} must be a string of at most {MAX_ID_CHARS} characters (valid Unicode)")
         sp = parse_sampling_params(sampling)
         bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
@@ -337,9 +348,27 @@ class TokenizerManager:
 
     def _flush_unsent(self) -> None:
         reqs, self._unsent = self._unsent, []
-        if reqs and not self.to_scheduler.closed:
-            msg = reqs[0] if len(reqs) == 1 else GenerateReqs(reqs)
-            self.to_scheduler.send(self.encoder.encode(msg)).add_done_callback(_log_send_error)
+        if not reqs or self.to_scheduler.closed:
+            return
+        try:
+            frame = self.encoder.encode(reqs[0] if len(reqs) == 1 else GenerateReqs(reqs))
+        except Exception:  # (checked requests encode: this is a safety net) one bad request must not sink the frame
+            sendable = []
+            for req in reqs:
+                try:
+                    self.encoder.encode(req)
+                    sendable.append(req)
+                except Exception as e:
+                    log.error("request %s could not be encoded for the scheduler: %s", req.rid, e)
+                    state = self.states.get(req.rid)
+                    if state is not None and state.finish is None:
+                        state.finish = FinishReason("abort", message=f"the request could not be sent to the "
+                                                    f"scheduler ({type(e).__name__}: {str(e)[:100]})")
+                        state.event.set()
+            if not sendable:
+                return
+            frame = self.encoder.encode(sendable[0] if len(sendable) == 1 else GenerateReqs(sendable))
+        self.to_scheduler.send(frame).add_done_callback(_log_send_error)
 
     async def abort(self, rid: str, message: str = "aborted by client") -> None:
         self._flush_unsent()  # the abort must not overtake the request it aborts
