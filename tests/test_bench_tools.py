@@ -282,3 +282,32 @@ def test_avx2_only_vllm_environment_hides_avx512_from_its_kernel_choice(tmp_path
         monkeypatch.setattr(torch.cpu, name, getattr(torch.cpu, name))
     exec(compile((tmp_path / "sitecustomize.py").read_text(), "sitecustomize.py", "exec"), {})
     assert all(getattr(torch.cpu, name)() is False for name in probes)
+
+
+def test_random_checkpoint_has_the_shape_asked_for_and_runs(default_model_dir, tmp_path):
+    """A random-weight checkpoint of the embedded model's shape, made smaller by overrides: its
+    config has them, its tokenizer is the model's, and loom's runner loads and decodes it."""
+    from transformers import AutoTokenizer
+
+    from benchmarks import bench_one_batch
+    from benchmarks.random_checkpoint import main as random_checkpoint
+    from worker_proc.model_config import ModelConfig
+
+    sizes = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    out = tmp_path / "random"
+    info = random_checkpoint(["--out", str(out), "--like", str(default_model_dir), "--dtype", "float32",
+                              *[f"--set={k}={v}" for k, v in sizes.items()]])
+    config = ModelConfig.from_dir(out)
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.head_dim) == (2, 64, 2, 16)
+    assert config.vocab_size == 49152 and info["parameters"] < 5e6
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer.encode("hello") == AutoTokenizer.from_pretrained(str(default_model_dir)).encode("hello")
+    args = bench_one_batch.parse_args(["--model-path", str(out), "--batch-sizes", "2", "--kv-cache-gb", "0.05",
+                                       "--device", "cpu"])
+    runner = bench_one_batch.load_runner(args, torch.float32, out)
+    requests = bench_one_batch.fixed_length_requests(tokenizer, [12, 12], [5, 5], 0)
+    steps = bench_one_batch.run_batch(runner, requests)
+    assert sum(s.decode for s in steps) == 4
+    with pytest.raises(SystemExit, match="no_such_field"):
+        random_checkpoint(["--out", str(tmp_path / "x"), "--like", str(default_model_dir), "--set", "no_such_field=1"])
