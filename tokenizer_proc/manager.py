@@ -21,6 +21,7 @@ from ipc.messages import (AbortReq, BatchTextOut, FinishReason, FlushCacheReq, F
                           GenerateReqs, SamplingParams, StatsReq, StatsResp, ToTokenizer)
 from ipc.sockets import Endpoints
 from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.request_body import invalid_text_path
 
 log = logging.getLogger("loom.tokenizer")
 
@@ -66,16 +67,6 @@ MAX_ID_CHARS = 256  # a request id or routing key
 INT64 = (-(2**63), 2**63 - 1)
 
 
-def is_utf8(text: str) -> bool:
-    """Whether `text` is valid Unicode (JSON's escapes can give a lone surrogate, which no wire
-    encodes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     """Build and validate sampling parameters; null fields take their defaults."""
     if isinstance(raw, SamplingParams):
@@ -119,7 +110,6 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         (all(-100 <= b <= 100 for b in sp.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         (len(sp.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
         (all(isinstance(s, str) and s for s in sp.stop), "stop must be non-empty strings"),
-        (all(map(is_utf8, [*sp.stop, *sp.stop_regex])), "stop and stop_regex must be valid Unicode text"),
         (len(sp.stop) <= MAX_STOPS, f"stop takes at most {MAX_STOPS} strings, got {len(sp.stop)}"),
         (all(len(s) <= MAX_STOP_CHARS for s in sp.stop), f"stop strings are at most {MAX_STOP_CHARS} characters"),
         (len(sp.stop_regex) <= MAX_STOPS, f"stop_regex takes at most {MAX_STOPS} patterns, got {len(sp.stop_regex)}"),
@@ -132,6 +122,9 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     for ok, message in checks:
         if not ok:
             raise RequestError(f"sampling_params: {message}")
+    bad_text = invalid_text_path({"stop": sp.stop, "stop_regex": sp.stop_regex})  # (the Engine's requests skip HTTP's check)
+    if bad_text is not None:
+        raise RequestError(f"sampling_params: '{bad_text}' is not valid Unicode text (a lone surrogate)")
     for pattern in sp.stop_regex:
         try:
             regex.compile(pattern)
@@ -263,7 +256,8 @@ class TokenizerManager:
         if type(priority) is not int or not INT64[0] <= priority <= INT64[1]:
             raise RequestError(f"priority must be a 64-bit integer, got {str(priority)[:40]}")
         for name, value in (("rid", rid), ("routing_key", routing_key)):
-            if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS or not is_utf8(value)):
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS
+                                      or invalid_text_path(value) is not None):
                 raise RequestError(f"{name} must be a string of at most {MAX_ID_CHARS} characters (valid Unicode)")
         sp = parse_sampling_params(sampling)
         bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
