@@ -48,6 +48,8 @@ def test_linears_on_odd_shapes_match_torch(ops_pair, dtype, n, k):
 def test_linears_on_weights_reordered_for_onednn_match_torch(dtype, n, k):
     """Ops.dense_linear on a weight reordered once at load (onednn_linear.pack), at row counts
     below, at and far above the layout's LAYOUT_ROWS, with and without a bias."""
+    if not onednn_linear.supports(dtype):
+        pytest.skip(f"this CPU's oneDNN does not reorder {dtype} weights")
     torch.manual_seed(n * 1000 + k)
     dense = (torch.randn(n, k) * 0.1).to(dtype)
     reordered = onednn_linear.pack(dense)

@@ -25,6 +25,19 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@functools.cache
+def supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN reorders weights of `dtype` and multiplies by them (bfloat16
+    needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has neither)."""
+    if dtype not in DTYPES or not available():
+        return False
+    try:
+        linear(torch.zeros(1, 32, dtype=dtype), pack(torch.zeros(32, 32, dtype=dtype)), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] reordered into oneDNN's layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), LAYOUT_ROWS)
@@ -37,12 +50,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 @functools.cache
 def pays(dtype: torch.dtype, m: int = LAYOUT_ROWS, k: int = 576, n: int = 1536) -> bool:
     """Whether a model-shaped product on a reordered weight beats `F.linear` on this CPU."""
-    if dtype not in DTYPES or not available():
+    if not supports(dtype):
         return False
     x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    try:
-        packed = pack(w)
-        reordered = best_seconds(lambda: linear(x, packed, None))
-    except RuntimeError:  # a build whose oneDNN lacks this dtype's primitive
-        return False
+    packed = pack(w)
+    reordered = best_seconds(lambda: linear(x, packed, None))
     return reordered < best_seconds(lambda: torch.nn.functional.linear(x, w))

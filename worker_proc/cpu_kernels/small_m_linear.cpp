@@ -747,7 +747,12 @@ torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor
 //   up to kDenseF32Rows rows: W packed per call into panels of 16 transposed rows (8 x 8 register
 //   transposes, the next chunk prefetched while this one computes), a 6 x 16 tile of y per step
 //   (the classic broadcast kernel, no horizontal sums).
-// Above kDenseF32Rows torch's GEMM is as fast. Weights packed once at load (pack_dense_f32) skip
+// Above kDenseF32Rows torch's GEMM is as fast. On AVX2 that is from ~2,048 rows: on Zen 3, the
+// model's linears with prepacked panels against torch's GEMM, GFLOP/s, 512 rows 142-151 vs 126-132,
+// 1,056 rows (a 1,024-token prompt chunk with 32 decodes) 137-141 vs 125-133, 2,048 rows 129-136 vs
+// 134-144; so the steps of the default --max-prefill-tokens run in the layer stack on the panels
+// (interleaved A/B there: the 32-stream load 1.06x, median of 6 pairs; offline 1.04x, 1.19x).
+// Weights packed once at load (pack_dense_f32) skip
 // the per-call packing and take the panels at any row count: 1.25x at 8-32 rows, 1.13x at 64,
 // 1.05x at 128, 1.01x at 512; at one row 1.12x over the weight stream.
 // AVX-512 builds take the same paths with panels of 32 rows and tiles of 8 rows of x (16
@@ -763,7 +768,7 @@ constexpr int kPanelTileRows = 8;
 constexpr int64_t kShortTailRows = 0;  // (5 + 4 rows for 8 + 1 ran 3-5% slower on Zen 4, whose
                                        // 512-bit FMAs, one a cycle, keep busy with half the sums)
 #else
-constexpr int64_t kDenseF32Rows = 512;
+constexpr int64_t kDenseF32Rows = 1536;
 constexpr int64_t kPanel = 16;
 constexpr int kPanelTileRows = 6;
 // Two FMA pipes of 4-cycle latency keep busy with 8 independent sums: a tile of 4 to 6 rows (8 to
