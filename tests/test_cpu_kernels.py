@@ -329,6 +329,34 @@ def test_half_linear_module_takes_the_kernel_where_it_pays(kernel, rows):
     assert ((linear(x) - ref).abs().sum() / ref.abs().sum()).item() < 2.5e-3
 
 
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("m", [1, 4, 9, 35])
+@pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (7, 96), (33, 160)])
+def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, n, k):
+    """The integer GEMM on pack_int4_panels' layout: 16 features a panel (n = 45, 33, 7: a part-
+    padded last one), any number of groups (96, 160: odd counts), x rounded to int8 per group of
+    32; linear_int4 takes it above a few rows, the same product."""
+    if not kernel.int4_panels():
+        pytest.skip("this build has no int4 panels (they need AVX2)")
+    torch.manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k) * 0.05
+    q4, s4, m4 = quantize_int4(w)
+    panels = kernel.pack_int4_panels(q4, s4, m4)
+    assert panels.shape == ((n + 15) // 16, k // 32, 384)
+    # feature n - 1, group 1, element 13: part 1 (elements 8-15), byte 13 - 8 - 4 of its lane, high nibble
+    groups = q4.view(n, k // 32, 16)
+    codes = torch.cat((groups & 0xF, groups >> 4), dim=-1)  # [n, group, element] (GGUF: e, e + 16 share a byte)
+    f = n - 1
+    lane_byte = panels[f // 16, 1, (f % 16) // 8 * 128 + 32 + (f % 8) * 4 + 1]
+    assert lane_byte >> 4 == codes[f, 1, 13] and lane_byte & 0xF == codes[f, 1, 9]
+    y = kernel.linear_int4_panels(x, panels, n)
+    assert y.dtype == dtype and y.shape == (m, n)
+    ref = _int4_reference(x.float(), q4, s4, m4, True)
+    torch.testing.assert_close(y.float(), ref, atol=tol * 20, rtol=tol * 2)
+    if m > 8:
+        assert torch.equal(kernel.linear_int4(x, q4, s4, m4, panels), y)
+
+
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:
     """x @ W.T for the dequantized int4 W = codes * scale + min. With int8 activations (integer dot
     products) the codes term sees x rounded to int8 per group of 32; the min term sees x itself."""

@@ -100,13 +100,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
+        # the same weights in the integer GEMM's panels (more than a few rows), where the kernels have it
+        self.register_buffer("panels", ops.pack_int4_panels(q, scale, minimum))
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.int4_linear(x, self.qweight, self.scale, self.minimum, self.bias)
+        return self.ops.int4_linear(x, self.qweight, self.scale, self.minimum, self.bias, self.panels)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        return [self.qweight, self.scale, self.minimum], self.bias
+        panels = [] if self.panels is None else [self.panels]
+        return [self.qweight, self.scale, self.minimum, *panels], self.bias
 
 
 def quantize_linears(model: nn.Module, scheme: str, tp: TPGroup | None = None) -> int:

@@ -166,10 +166,17 @@ class Ops:
             return y if bias is None else y.add_(bias)
         return F.linear(x, self.dequantize_int8(qweight, scale, x.dtype), bias)
 
+    def pack_int4_panels(self, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor | None:
+        """int4 weights also in the panels of the kernels' integer GEMM (any row count), or None
+        where the build has none."""
+        if self.kernels is None or not self.kernels.int4_panels():
+            return None
+        return self.kernels.pack_int4_panels(qweight, scale, minimum)
+
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        if self._small(x):
-            y = self.kernels.linear_int4(x, qweight, scale, minimum)
+                    bias: torch.Tensor | None, panels: torch.Tensor | None = None) -> torch.Tensor:
+        if panels is not None or self._small(x):
+            y = self.kernels.linear_int4(x, qweight, scale, minimum, panels)
             return y if bias is None else y.add_(bias)
         widened = (self.kernels.dequantize_int4(qweight, scale, minimum, x.dtype) if self.kernels is not None
                    else dequantize_int4(qweight, scale, minimum, x.dtype))

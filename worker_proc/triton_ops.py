@@ -210,7 +210,10 @@ class GpuOps(Ops):
                     bias: torch.Tensor | None) -> torch.Tensor:
         return matmul(x, qweight, bias, scale)
 
+    def pack_int4_panels(self, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        return None  # (a CPU layout)
+
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+                    bias: torch.Tensor | None, panels: torch.Tensor | None = None) -> torch.Tensor:
         widened = dequantize_int4(qweight, scale, minimum, x.dtype)
         return matmul(x, widened, bias) if self.deterministic else F.linear(x, widened, bias)

@@ -23,7 +23,8 @@ namespace {
 
 // A linear's weights in the form its Python module keeps them: [w] or [w, packed] dense (packed
 // gated for an MLP's [gate; up]),
-// [packed, out_features] float16, [q, scale] int8, [q, scale, min] int4; plus an optional bias.
+// [packed, out_features] float16, [q, scale] int8, [q, scale, min] or [q, scale, min, panels]
+// int4; plus an optional bias.
 struct LinearWeights {
   std::vector<torch::Tensor> tensors;
   std::optional<torch::Tensor> bias;
@@ -38,7 +39,8 @@ struct LinearWeights {
     else if (tensors.size() == 2)
       y = linear_int8(x, tensors[0], tensors[1]);
     else
-      y = linear_int4(x, tensors[0], tensors[1], tensors[2]);
+      y = linear_int4(x, tensors[0], tensors[1], tensors[2],
+                      tensors.size() > 3 ? std::optional<torch::Tensor>(tensors[3]) : std::nullopt);
     if (bias) y.add_(*bias);
     return y;
   }
@@ -58,8 +60,8 @@ using LinearSpec = std::tuple<std::vector<torch::Tensor>, std::optional<torch::T
 
 LinearWeights from_spec(const LinearSpec& spec) {
   const auto& [tensors, bias] = spec;
-  TORCH_CHECK(!tensors.empty() && tensors.size() <= 3,
-              "a linear is [w], [w, packed], [packed, out_features], [q, scale] or [q, scale, min]");
+  TORCH_CHECK(!tensors.empty() && tensors.size() <= 4,
+              "a linear is [w], [w, packed], [packed, out_features], [q, scale] or [q, scale, min(, panels)]");
   const bool half = tensors[0].scalar_type() == torch::kHalf && tensors[0].dim() == 4;
   return {tensors, bias, half ? tensors.at(1).item<int64_t>() : 0};
 }

@@ -1084,8 +1084,11 @@ torch::Tensor pack_int8(torch::Tensor w) {
 #endif
 }
 
-torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum) {
+torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum,
+                          std::optional<torch::Tensor> panels) {
   const int64_t k = x.size(1), n = w.size(0);
+  // (a few rows stream the weights: the GGUF layout is the fewer bytes)
+  if (panels && panels->numel() && x.dim() == 2 && x.size(0) > kStreamRows) return linear_int4_panels(x, *panels, n);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
   TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == torch::kHalf &&
