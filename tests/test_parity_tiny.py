@@ -161,7 +161,8 @@ def test_greedy_matches_hf_chunked_prefill(tiny):
 @pytest.mark.parametrize("scheme", ["fp16", "int8", "int4"])
 def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     """--quantization: the quantized linears (the small-M kernel for decode rows, widened weights
-    for prefill rows) compute what the plain model computes with the dequantized weights."""
+    for prefill rows, or int4's integer GEMM) compute what the plain model computes with the
+    dequantized weights."""
     from worker_proc import cpu_kernels
     from worker_proc.linear import HalfLinear, Int4Linear, Int8Linear, Linear
     from worker_proc.model_runner import ModelRunner, RunnerConfig
@@ -206,12 +207,13 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
                                             scheme != "fp16" and kernels.quantized_int8_activations(torch.float32))
     for step, (a, b) in enumerate(zip(logits["quantized"], logits["reference"])):
         if rounded_acts:
-            # AVX2 builds quantize float32 activations of few-row linears (decodes, the LM head) to
-            # int8 per 32, AVX512-FP16 ones round fp16 linears' activations to float16; the kernels'
-            # own tests check that arithmetic, so here only an error of that rounding's size is
-            # allowed, up to the first greedy pick that differs
+            # AVX2 builds quantize float32 activations of few-row linears (decodes, the LM head; int4
+            # every row count) to int8 per 32, AVX512-FP16 ones round fp16 linears' activations to
+            # float16; the kernels' own tests check that arithmetic, so here only an error of that
+            # rounding's size is allowed, up to the first greedy pick that differs. (This random
+            # model amplifies it: with int8 activations, x perturbed by 1e-6 moved its logits 9%.)
             err = ((a - b).abs().max() / b.abs().max()).item()
-            assert err < 0.1, f"step {step}: relative error {err:.3f}"
+            assert err < 0.25, f"step {step}: relative error {err:.3f}"
             if not torch.equal(a.argmax(-1), b.argmax(-1)):
                 break  # a greedy pick differs: later steps see different tokens
         else:
