@@ -100,7 +100,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
-        # the same weights in the integer GEMM's panels (more than a few rows), where the kernels have it
+        # the same weights in the integer GEMM's panels (more than one row), where the kernels have it
         self.register_buffer("panels", ops.pack_int4_panels(q, scale, minimum))
         self.bias = bias
 

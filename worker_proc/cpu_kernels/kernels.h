@@ -46,7 +46,8 @@ torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated = false);
 torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor pack_int8(torch::Tensor w);
-// linear_int4: panels (pack_int4_panels of the same weights) take every x of more than a few rows.
+// linear_int4: panels (pack_int4_panels of the same weights) take x of more than one row (AVX2
+// builds) or more than 8 (VNNI ones).
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum,
                           std::optional<torch::Tensor> panels = std::nullopt);
 bool quantized_int8_activations(at::ScalarType dtype);
