@@ -208,7 +208,7 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     for step, (a, b) in enumerate(zip(logits["quantized"], logits["reference"])):
         if rounded_acts:
             # AVX2 builds quantize float32 activations of few-row linears (decodes, the LM head; int4
-            # every row count) to int8 per 32, AVX512-FP16 ones round fp16 linears' activations to
+            # every row count on AVX2 builds) to int8 per 32, AVX512-FP16 ones round fp16 linears' activations to
             # float16; the kernels' own tests check that arithmetic, so here only an error of that
             # rounding's size is allowed, up to the first greedy pick that differs. (This random
             # model amplifies it: with int8 activations, x perturbed by 1e-6 moved its logits 9%.)

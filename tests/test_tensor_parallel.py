@@ -100,8 +100,8 @@ def test_quantized_smollm2_at_three_ranks_agrees_with_one_rank(chat_ids, default
     followed of 48 on 8 chat prompts, int4: [16, 24, 11, 6, 48, 13, 8, 48] on the VNNI build,
     [24, 5, 24, 6, 3, 5, 1, 2] on the AVX2 one) where float32 activations agree to the end; fp16
     rounds them to float16 on AVX512-FP16 builds ([48, 48, 48, 48, 6, 48, 48, 48] on the Xeon).
-    int4's prompts now take int8 activations too (the integer GEMM): [0, 0, 8, 2, 8, 11, 8, 1] on
-    the AVX2 build, two first tokens apart. The first
+    On AVX2 builds int4's prompts take int8 activations too (the integer GEMM): [0, 0, 8, 2, 8, 11, 8,
+    1], two first tokens apart. The first
     token must agree for 5 prompts of 8, and 3 for 4 tokens or more: sharding faults part at once."""
     from launch import Engine
 

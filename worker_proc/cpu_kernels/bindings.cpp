@@ -59,9 +59,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_bf16", &amx_bf16, "whether this build multiplies bfloat16 linears on AMX tiles (and the OS allows them)");
   m.def("linear_int8", &linear_int8, "x @ w.T for few rows of x, int8 weights (as quantized or from pack_int8) with per-row scales");
   m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the blocked layout of linear_int8's integer kernel");
-  m.def("linear_int4", &linear_int4, "x @ w.T on packed int4 weights with group scale/min (panels: from pack_int4_panels, for more rows than it streams)",
+  m.def("linear_int4", &linear_int4, "x @ w.T on packed int4 weights with group scale/min (panels: from pack_int4_panels, for more than one row)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("minimum"), pybind11::arg("panels") = pybind11::none());
-  m.def("int4_panels", &int4_panels, "whether this build has linear_int4_panels (AVX2 integer products)");
+  m.def("int4_panels", &int4_panels, "whether this build has linear_int4_panels (AVX2 integer products; not on AVX512-VNNI builds)");
   m.def("pack_int4_panels", &pack_int4_panels, "int4 codes [N, K/2] with float16 scale/min [N, K/32] in the panels of linear_int4_panels");
   m.def("linear_int4_panels", &linear_int4_panels, "x @ w.T [M, n] on pack_int4_panels' weights, int8 activations per group of 32");
   m.def("dense_f32_rows", &dense_f32_rows, "rows of x up to which float32 linear_dense beats torch's GEMM (0: few)");

@@ -32,7 +32,10 @@ constexpr int64_t kCodeBytes = 256;  // a panel's codes of one group: 2 vectors 
 // A panel's group: its codes, then the 16 features' scales and mins (float32).
 constexpr int64_t kPanelGroupBytes = kCodeBytes + 2 * kPanelCols * sizeof(float);
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Built where the CPU has AVX2 but not AVX512-VNNI: measured on AMD Zen 3 only. VNNI CPUs keep
+// their vpdpbusd kernel for few rows and widened weights on their bfloat16 GEMM (AMX on the Xeon)
+// for more, until the panels are measured against those there.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #define LOOM_INT4_PANELS 1
 constexpr int kTileRows = 4;  // rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40)
 

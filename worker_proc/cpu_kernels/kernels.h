@@ -46,14 +46,14 @@ torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated = false);
 torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor pack_int8(torch::Tensor w);
-// linear_int4: panels (pack_int4_panels of the same weights) take x of more than one row (AVX2
-// builds) or more than 8 (VNNI ones).
+// linear_int4: panels (pack_int4_panels of the same weights) take every x of more than one row.
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum,
                           std::optional<torch::Tensor> panels = std::nullopt);
 bool quantized_int8_activations(at::ScalarType dtype);
 // int4 linears of many rows (int4_panels.cpp): pack_int4_panels lays linear_int4's codes, scales
 // and mins out in panels of 16 output features; linear_int4_panels(x, panels, n) = x @ W.T [M, n]
-// with x quantized to int8 per group of 32. int4_panels(): whether this build has the kernel (AVX2).
+// with x quantized to int8 per group of 32. int4_panels(): whether this build has the kernel (AVX2
+// builds without AVX512-VNNI).
 bool int4_panels();
 torch::Tensor pack_int4_panels(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
 torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor panels, int64_t n);

@@ -1088,14 +1088,8 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                           std::optional<torch::Tensor> panels) {
   const int64_t k = x.size(1), n = w.size(0);
   // One row streams the weights, where the GGUF layout's fewer bytes pay: on Zen 3, 30 layers'
-  // shapes from DRAM, the panels ran 0.96x at one row, 1.19x at 2, 1.49x at 4, 1.80x at 8. VNNI
-  // builds keep their kernel for its rows (vpdpbusd: not measured against the panels yet).
-#if defined(LOOM_VNNI)
-  const int64_t streamed_rows = kStreamRows;
-#else
-  const int64_t streamed_rows = 1;
-#endif
-  if (panels && panels->numel() && x.dim() == 2 && x.size(0) > streamed_rows)
+  // shapes from DRAM, the panels ran 0.96x at one row, 1.19x at 2, 1.49x at 4, 1.80x at 8.
+  if (panels && panels->numel() && x.dim() == 2 && x.size(0) > 1)
     return linear_int4_panels(x, *panels, n);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
