@@ -210,9 +210,6 @@ class GpuOps(Ops):
                     bias: torch.Tensor | None) -> torch.Tensor:
         return matmul(x, qweight, bias, scale)
 
-    def pack_int4_panels(self, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
-        return None  # (a CPU layout)
-
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None, panels: torch.Tensor | None = None) -> torch.Tensor:
         widened = dequantize_int4(qweight, scale, minimum, x.dtype)
