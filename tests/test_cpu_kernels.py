@@ -336,7 +336,7 @@ def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
     """The integer GEMM on pack_int4_panels' layout: 16 features a panel (n = 45, 33, 7: a part-
     padded last one), any number of groups (96, 160: odd counts), x rounded to int8 per group of
     32; linear_int4 takes it above one row, the same product."""
-    if not kernel.int4_panels():
+    if not kernel.integer_panels():
         pytest.skip("this build has no int4 panels (AVX2 builds without AVX512-VNNI)")
     torch.manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k) * 0.05
@@ -355,6 +355,29 @@ def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
     torch.testing.assert_close(y.float(), ref, atol=tol * 20, rtol=tol * 2)
     if m > 1:
         assert torch.equal(kernel.linear_int4(x, q4, s4, m4, panels), y)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("m", [1, 4, 9, 35])
+@pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (7, 96), (33, 160)])
+def test_int8_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, n, k):
+    """int8 weights on AVX2 builds: pack_int8 lays them out in the integer GEMM's panels (16
+    features, part-padded last ones; odd group counts), linear_int8 takes them at every row count
+    with x rounded to int8 per group of 32, and dequantize_int8 reads them back exactly."""
+    if not kernel.integer_panels():
+        pytest.skip("this build has no integer panels (AVX2 builds without AVX512-VNNI)")
+    torch.manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k) * 0.05
+    q8, s8 = quantize_int8(w)
+    panels = kernel.pack_int8(q8)
+    assert panels.dtype == torch.int8 and panels.shape == ((n + 15) // 16, k // 32, 512)
+    f, g, e = n - 1, 2, 13  # group 2, input 13: step 3, byte 1; feature f: vector (f % 16) // 8, lane f % 8
+    assert panels[f // 16, g, 3 * 64 + (f % 16) // 8 * 32 + (f % 8) * 4 + 1] == q8[f, 32 * g + e]
+    w8 = dequantize_int8(q8, s8, torch.float32)
+    assert torch.equal(kernel.dequantize_int8(panels, s8, torch.float32), w8)
+    y = kernel.linear_int8(x, panels, s8)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), F.linear(_int8_per_group(x.float()), w8), atol=tol * 20, rtol=tol * 2)
 
 
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:

@@ -161,12 +161,11 @@ def test_greedy_matches_hf_chunked_prefill(tiny):
 @pytest.mark.parametrize("scheme", ["fp16", "int8", "int4"])
 def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
     """--quantization: the quantized linears (the small-M kernel for decode rows, widened weights
-    for prefill rows, or int4's integer GEMM) compute what the plain model computes with the
+    for prefill rows, or the integer GEMM) compute what the plain model computes with the
     dequantized weights."""
     from worker_proc import cpu_kernels
     from worker_proc.linear import HalfLinear, Int4Linear, Int8Linear, Linear
     from worker_proc.model_runner import ModelRunner, RunnerConfig
-    from worker_proc.ops import dequantize_int4
 
     backend = tiny.runner.kernel_backend
     # (a float32 KV cache as the reference's: fp16 would default to a float16 one, tested on its own)
@@ -180,8 +179,7 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
         if isinstance(module, (HalfLinear, Int8Linear, Int4Linear)):
             target = ref_modules[name]
             assert isinstance(target, Linear)
-            w = (module.dequantized(torch.float32) if scheme in ("fp16", "int8") else
-                 dequantize_int4(module.qweight, module.scale, module.minimum, torch.float32))
+            w = module.dequantized(torch.float32)
             with torch.no_grad():
                 target.weight = torch.nn.Parameter(w)  # unties a tied head: it is quantized apart
             replaced += 1
@@ -207,8 +205,8 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
                                             scheme != "fp16" and kernels.quantized_int8_activations(torch.float32))
     for step, (a, b) in enumerate(zip(logits["quantized"], logits["reference"])):
         if rounded_acts:
-            # AVX2 builds quantize float32 activations of few-row linears (decodes, the LM head; int4
-            # every row count on AVX2 builds) to int8 per 32, AVX512-FP16 ones round fp16 linears' activations to
+            # AVX2 builds quantize float32 activations of int8 and int4 linears (every row count; VNNI
+            # builds those of few-row ones: decodes, the LM head) to int8 per 32, AVX512-FP16 ones round fp16 linears' activations to
             # float16; the kernels' own tests check that arithmetic, so here only an error of that
             # rounding's size is allowed, up to the first greedy pick that differs. (This random
             # model amplifies it: with int8 activations, x perturbed by 1e-6 moved its logits 9%.)

@@ -49,9 +49,10 @@ def test_int4_reproduces_gguf_q4_1_blocks(default_model_dir, layer, gguf_name, h
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_int8_linear_on_the_kernels_layout(rows):
-    """A bfloat16 Int8Linear keeps its weights in the layout the loaded kernels stream fastest
-    (pack_int8's blocks on VNNI CPUs); decode rows (the kernel) and prefill rows (widened weights)
-    both compute x @ W.T of the dequantized weights."""
+    """A bfloat16 Int8Linear keeps its weights in the layout of the loaded kernels' integer
+    products (pack_int8's blocks on VNNI CPUs, the integer GEMM's panels on AVX2 ones); decode rows
+    (the kernel) and prefill rows (the panels, or widened weights) both compute x @ W.T of the
+    dequantized weights."""
     import torch.nn.functional as F
 
     from worker_proc import cpu_kernels
@@ -65,9 +66,28 @@ def test_int8_linear_on_the_kernels_layout(rows):
     weight = (torch.randn(200, 576) * 0.05).to(torch.bfloat16)
     linear = Int8Linear(weight, None, Ops(kernels, small_m_rows=8))
     q, scale = quantize_int8(weight)
-    assert linear.qweight.dim() == (4 if kernels.quantized_int8_activations(torch.bfloat16) else 2)
+    layout = 3 if kernels.integer_panels() else 4 if kernels.quantized_int8_activations(torch.bfloat16) else 2
+    assert linear.qweight.dim() == layout
     dequantized = linear.dequantized(torch.float32)
     assert torch.equal(dequantized, q.float() * scale[:, None])
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
     # int8 activations (per 32) in decode rows: a ~1% error on each product
     torch.testing.assert_close(linear(x).float(), F.linear(x.float(), dequantized), atol=0.05, rtol=0.05)
+
+
+def test_int4_keeps_the_lm_head_at_8_bits():
+    """--quantization int4 quantizes every linear to 4 bits but the LM head, which keeps int8 (as
+    llama.cpp's Q4 files keep it at 8 bits: most of the 4-bit model's distance from the float one
+    was its head)."""
+    from torch import nn
+
+    from worker_proc.linear import Int4Linear, Int8Linear, Linear, quantize_linears
+    from worker_proc.ops import Ops
+
+    model = nn.Module()
+    model.proj = Linear(64, 32, False, Ops())
+    model.lm_head = Linear(64, 100, False, Ops())
+    for linear in (model.proj, model.lm_head):
+        nn.init.normal_(linear.weight, std=0.05)
+    assert quantize_linears(model, "int4") == 2
+    assert isinstance(model.proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_proc.ops import INT4_GROUP, Ops, quantize_int4, quantize_int8, unpack_half
+from worker_proc.ops import (INT4_GROUP, Ops, dequantize_int4, int8_panels, quantize_int4, quantize_int8,
+                             unpack_half)
 from worker_proc.tensor_parallel import TPGroup
 
 QUANTIZATIONS = ("none", "fp16", "int8", "int4")
@@ -60,6 +61,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.bias = bias
 
+    @property
+    def integer_gemm(self) -> bool:
+        """Whether the kernels take this layer at every row count (the integer GEMM's panels)."""
+        return int8_panels(self.qweight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.int8_linear(x, self.qweight, self.scale, self.bias)
 
@@ -104,8 +110,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("panels", ops.pack_int4_panels(q, scale, minimum))
         self.bias = bias
 
+    @property
+    def integer_gemm(self) -> bool:
+        """Whether the kernels take this layer at every row count (the integer GEMM's panels)."""
+        return self.panels is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.int4_linear(x, self.qweight, self.scale, self.minimum, self.bias, self.panels)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int4(self.qweight, self.scale, self.minimum, dtype)
 
     def kernel_spec(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         panels = [] if self.panels is None else [self.panels]
@@ -130,8 +144,9 @@ def quantize_linears(model: nn.Module, scheme: str, tp: TPGroup | None = None) -
         if cls is HalfLinear:
             setattr(parent, name, HalfLinear(weight, bias, child.ops))
             continue
-        # int4 groups are 32 inputs: a linear with another input size keeps 8 bits
-        if cls is Int4Linear and weight.shape[1] % INT4_GROUP == 0:
+        # int4 groups are 32 inputs: a linear with another input size keeps 8 bits, and so does the
+        # LM head (most of int4's distance from the float model; llama.cpp's Q4 files keep it at 8)
+        if cls is Int4Linear and weight.shape[1] % INT4_GROUP == 0 and name != "lm_head":
             setattr(parent, name, Int4Linear(weight, bias, child.ops))
             continue
         absmax = None

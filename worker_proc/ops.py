@@ -161,7 +161,7 @@ class Ops:
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        if self._small(x):
+        if self._small(x) or int8_panels(qweight):
             y = self.kernels.linear_int8(x, qweight, scale)
             return y if bias is None else y.add_(bias)
         return F.linear(x, self.dequantize_int8(qweight, scale, x.dtype), bias)
@@ -169,7 +169,7 @@ class Ops:
     def pack_int4_panels(self, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor | None:
         """int4 weights also in the panels of the kernels' integer GEMM (any row count), or None
         where the build has none."""
-        if self.kernels is None or not self.kernels.int4_panels():
+        if self.kernels is None or not self.kernels.integer_panels():
             return None
         return self.kernels.pack_int4_panels(qweight, scale, minimum)
 
@@ -184,6 +184,12 @@ class Ops:
 
 
 # ---- weight-only quantization formats -------------------------------------------------------------
+
+def int8_panels(qweight: torch.Tensor) -> bool:
+    """Whether int8 weights are in the integer GEMM's panels (pack_int8 on AVX2 builds), which the
+    kernel takes at every row count."""
+    return qweight.dim() == 3
+
 
 def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per output row: w ~ q * scale, q in [-127, 127], scale = max|row| / 127 (the

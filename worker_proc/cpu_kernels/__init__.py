@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger("loom.kernels")
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "paged_attention.cpp", "small_m_linear.cpp", "fused_ops.cpp",
-                                "layer_stack.cpp", "half_linear.cpp", "amx_linear.cpp", "int4_panels.cpp")]
+                                "layer_stack.cpp", "half_linear.cpp", "amx_linear.cpp", "integer_panels.cpp")]
 _HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h", "amx_tiles.h", "team.h")]
 
 ISA_LEVELS = ("native", "avx512", "avx2", "scalar")

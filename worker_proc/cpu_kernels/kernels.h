@@ -50,13 +50,17 @@ torch::Tensor pack_int8(torch::Tensor w);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum,
                           std::optional<torch::Tensor> panels = std::nullopt);
 bool quantized_int8_activations(at::ScalarType dtype);
-// int4 linears of many rows (int4_panels.cpp): pack_int4_panels lays linear_int4's codes, scales
-// and mins out in panels of 16 output features; linear_int4_panels(x, panels, n) = x @ W.T [M, n]
-// with x quantized to int8 per group of 32. int4_panels(): whether this build has the kernel (AVX2
-// builds without AVX512-VNNI).
-bool int4_panels();
+// int4 and int8 linears of any row count (integer_panels.cpp): the weights in panels of 16 output
+// features, x quantized to int8 per group of 32. pack_int4_panels lays linear_int4's codes, scales
+// and mins out, linear_int4_panels(x, panels, n) = x @ W.T [M, n]; pack_int8_panels lays int8 [N, K]
+// out (pack_int8 on these builds), linear_int8_panels(x, panels, scale) = x @ (W * scale).T.
+// integer_panels(): whether this build has them (AVX2 builds without AVX512-VNNI).
+bool integer_panels();
 torch::Tensor pack_int4_panels(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
 torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor panels, int64_t n);
+torch::Tensor pack_int8_panels(torch::Tensor w);
+torch::Tensor unpack_int8_panels(torch::Tensor panels, int64_t n);
+torch::Tensor linear_int8_panels(torch::Tensor x, torch::Tensor panels, torch::Tensor scale);
 // float16 weights (--quantization fp16): pack_half lays W [N, K] out for linear_half, which
 // returns x @ W.T [M, n] in x's dtype.
 torch::Tensor pack_half(torch::Tensor w);

@@ -102,11 +102,8 @@ constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
 constexpr int64_t kInt8Block = 16;  // output rows interleaved by pack_int8
 constexpr int64_t kInt8Step = 64;   // inputs per row per step of a block
 constexpr auto kPackedInt8 = torch::kUInt8;  // codes + 128: vpdpbusd's unsigned side
-#elif defined(__AVX2__) && defined(__FMA__)
-#define LOOM_AVX2_INT 1
-constexpr int64_t kInt8Block = 8;
-constexpr int64_t kInt8Step = 32;
-constexpr auto kPackedInt8 = torch::kInt8;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOOM_AVX2_INT 1  // (int8 weights: integer_panels.cpp)
 #endif
 constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
 constexpr int64_t kPrefetchRows = 16;
@@ -531,84 +528,8 @@ torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n
 #if defined(LOOM_AVX2_INT)
 // int8 activations on AVX2 (vpmaddubsw: 32 unsigned-by-signed byte products summed in pairs to
 // int16), as llama.cpp does without VNNI: x is quantized once per call to int8 per group of 32
-// (x ~ q * dx). The unsigned side is |q| and the weights take q's signs (vpsignb), so no pair sum
-// passes 2 * 127 * 127 and nothing saturates. Float32 and bfloat16 activations alike: widening
-// the codes to float32 instead takes 2.4x the instructions and ran at half the memory rate.
-struct QuantizedRows {
-  int64_t k;
-  std::vector<int8_t> q;          // [m][k]
-  std::vector<int8_t> magnitude;  // [m][k]: |q|
-  std::vector<float> dx;          // [m][k / 32]
-};
-
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
-  const int64_t groups = k / kGroup;
-  QuantizedRows qx{k, std::vector<int8_t>(m * k), std::vector<int8_t>(m * k), std::vector<float>(m * groups)};
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      int8_t* q = qx.q.data() + i * k + g * kGroup;
-      quantize_group(x + i * k + g * kGroup, q, qx.dx[i * groups + g]);
-      for (int64_t j = 0; j < kGroup; ++j) qx.magnitude[i * k + g * kGroup + j] = static_cast<int8_t>(std::abs(q[j]));
-    }
-  return qx;
-}
-
+// (x ~ q * dx). int8 weights take integer_panels.cpp's kernel at every row count.
 inline __m256i load_256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// 32 products of |q| and the signed weights w (|w| <= 127), summed to 8 int32 lanes.
-inline __m256i dot_32(__m256i magnitude, __m256i q, __m256i w) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, q)), _mm256_set1_epi16(1));
-}
-
-// y[:, n0 : n0 + 8] for one block of packed W [k / 32][8][32] (pack_int8 on AVX2: signed codes,
-// 8 rows interleaved per group, so each load of x serves 8 rows and the block is one stream).
-template <typename T>
-void int8_blocked_rows(const int8_t* block, const float* scale, const QuantizedRows& qx, int64_t m, T* y,
-                       int64_t n_out, int64_t n0) {
-  const int64_t k = qx.k, groups = k / kGroup, rows = std::min(kInt8Block, n_out - n0);
-  alignas(32) float row_scale[kInt8Block] = {};  // the last block may be part padding
-  std::memcpy(row_scale, scale + n0, rows * sizeof(float));
-  for (int64_t i = 0; i < m; ++i) {
-    __m256 acc[kInt8Block];
-    for (auto& a : acc) a = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256i q = load_256(qx.q.data() + i * k + g * kGroup);
-      const __m256i magnitude = load_256(qx.magnitude.data() + i * k + g * kGroup);
-      const __m256 dx = _mm256_broadcast_ss(qx.dx.data() + i * groups + g);
-      const int8_t* w = block + g * kInt8Block * kGroup;
-      for (int r = 0; r < kInt8Block; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_32(magnitude, q, load_256(w + r * kGroup))), dx, acc[r]);
-    }
-    alignas(32) float part[kInt8Block];
-    _mm256_store_ps(part, _mm256_mul_ps(loom::sum_lanes_8(acc), _mm256_load_ps(row_scale)));
-    for (int64_t r = 0; r < rows; ++r) y[i * n_out + n0 + r] = static_cast<T>(part[r]);
-  }
-}
-
-template <typename T>
-torch::Tensor linear_int8_blocked_as(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
-  const int64_t m = x.size(0), k = x.size(1), n_out = scale.numel();
-  const auto qx = quantize_rows(x.data_ptr<T>(), m, k);
-  auto out = torch::empty({m, n_out}, x.options());
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* scales = scale.data_ptr<float>();
-  T* y = out.data_ptr<T>();
-  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      int8_blocked_rows(wp + b * k * kInt8Block, scales, qx, m, y, n_out, b * kInt8Block);
-  });
-  return out;
-}
-
-torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scale) {
-  const auto x = x_in.contiguous();
-  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.size(1) * kInt8Step == x.size(1),
-              "packed int8 weights take x with K = ", w.size(1) * kInt8Step);
-  if (x.scalar_type() == torch::kFloat32) return linear_int8_blocked_as<float>(x, w, scale);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "int8 linears take float32 or bfloat16 x");
-  return linear_int8_blocked_as<at::BFloat16>(x, w, scale);
-}
 
 // int4 (the row layout of Int4Rows) against int8 activations, as on VNNI a pair of groups at a
 // time: 32 bytes of codes unpack to their low and high nibbles (elements 0-15 and 16-31 of both
@@ -998,7 +919,10 @@ torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch
 
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale must be float32 [N]");
-#if defined(LOOM_VNNI) || defined(LOOM_AVX2_INT)
+#if defined(LOOM_AVX2_INT)
+  if (w.dim() == 3) return linear_int8_panels(x, w, scale);
+#endif
+#if defined(LOOM_VNNI)
   if (w.dim() == 4) {
     TORCH_CHECK(w.is_contiguous() && w.scalar_type() == kPackedInt8 && w.size(0) * kInt8Block >= scale.numel() &&
                     w.size(2) == kInt8Block && w.size(3) == kInt8Step,
@@ -1064,21 +988,23 @@ bool quantized_int8_activations(at::ScalarType dtype) {
 #endif
 }
 
-// int8 [N, K] -> the blocked layout of linear_int8's integer kernel: [ceil(N / R), K / C, R, C],
-// block b, step j, row r holding W[R b + r, C j : C j + C] (rows past N zero weights). VNNI:
-// R = 16, C = 64, uint8 codes + 128 (vpdpbusd's unsigned side); AVX2: R = 8, C = 32, int8.
+// int8 [N, K] -> the layout of linear_int8's integer kernel. VNNI: blocks [ceil(N / 16), K / 64,
+// 16, 64], block b, step j, row r holding W[16 b + r, 64 j : 64 j + 64] + 128 as uint8 (vpdpbusd's
+// unsigned side; rows past N zero weights). AVX2: pack_int8_panels' [ceil(N / 16), K / 32, 512].
 torch::Tensor pack_int8(torch::Tensor w) {
-#if defined(LOOM_VNNI) || defined(LOOM_AVX2_INT)
+#if defined(LOOM_VNNI)
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.size(1) % kInt8Step == 0,
               "pack_int8: int8 [N, K] with K a multiple of ", kInt8Step);
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kInt8Block - 1) / kInt8Block;
   auto padded = torch::zeros({blocks * kInt8Block, k}, w.options().dtype(torch::kInt16));
   padded.narrow(0, 0, n).copy_(w);
-  if (kPackedInt8 == torch::kUInt8) padded.add_(128);
+  padded.add_(128);
   return padded.to(kPackedInt8)
       .view({blocks, kInt8Block, k / kInt8Step, kInt8Step})
       .permute({0, 2, 1, 3})
       .contiguous();
+#elif defined(LOOM_AVX2_INT)
+  return pack_int8_panels(w);
 #else
   TORCH_CHECK(false, "pack_int8 needs integer dot products (see quantized_int8_activations)");
 #endif
@@ -1116,6 +1042,10 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
 // torch's GEMM on the widened copy beats streaming the codes once per row block.
 torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype) {
+  if (w.dim() == 3) {  // pack_int8's panels (AVX2)
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.dim() == 1, "dequantize_int8: float32 scale [N]");
+    return (unpack_int8_panels(w, scale.numel()).to(torch::kFloat32) * scale.unsqueeze(1)).to(dtype);
+  }
   // pack_int8's blocks [blocks, K / C, R, C] are read in place (no row-major copy first); a uint8
   // block holds codes + 128.
   const bool packed = w.dim() == 4;

@@ -16,7 +16,7 @@ from torch import nn
 
 from worker_proc.attention import AttentionBackend
 from worker_proc.huge_pages import pack_on_huge_pages
-from worker_proc.linear import HalfLinear, Int4Linear, Linear
+from worker_proc.linear import HalfLinear, Linear
 from worker_proc.model_config import ModelConfig
 from worker_proc.ops import Ops
 from worker_proc.tensor_parallel import TPGroup, TPShard
@@ -219,8 +219,8 @@ class CausalLM(nn.Module):
         dense_dtype = dense_dtypes.pop() if len(dense_dtypes) == 1 else None
         if all(isinstance(mod, HalfLinear) for mod in linears):
             self.layer_stack_rows = self.ops.half_rows
-        elif all(isinstance(mod, Int4Linear) and mod.panels is not None for mod in linears):
-            self.layer_stack_rows = sys.maxsize  # (the integer GEMM takes every row count)
+        elif all(getattr(mod, "integer_gemm", False) for mod in linears):
+            self.layer_stack_rows = sys.maxsize  # (int4 / int8 on the integer GEMM's panels)
         elif dense_dtype:
             packed = all(mod.packed is not None for mod in linears)
             self.layer_stack_rows = self.ops.dense_rows(dense_dtype, packed)

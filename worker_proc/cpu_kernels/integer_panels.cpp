@@ -1,17 +1,22 @@
-// int4 linears of many rows (prompt chunks, decode batches) on AVX2 integer products: the
-// weights packed once at load into panels of 16 output features, x quantized per call to int8 per
-// group of 32 (llama.cpp's Q8 activations, as linear_int4 does for few rows).
+// int4 and int8 linears on AVX2 integer products (CPUs without AVX512-VNNI): the weights packed
+// once at load into panels of 16 output features, x quantized per call to int8 per group of 32
+// (llama.cpp's Q8 activations, as the streaming kernels do).
 //
 // Each 32-bit lane of an accumulator is one output feature, so no horizontal sums are needed:
 // four codes of 8 features (one 32-byte vector, a byte per product) meet four codes of x
-// broadcast to every lane in vpmaddubsw (unsigned codes <= 15 by signed x: a pair sums to at
-// most 2 * 15 * 127), and a group's 8 such int16 products add up without saturating (8 * 3810 <
-// 32767), so a 32-product group costs one vpmaddubsw and one vpaddw per 8 features and row,
-// twice the float32 FMA's products per instruction. Per group, the sums widen to int32
-// (vpmaddwd), turn float and take the group's scales:
-//   y[r, n] = sum_g scale[n, g] * dx[r, g] * (codes[n, g] . q[r, g]) + min[n, g] * sum(x[r, g]).
-// Measured on AMD Zen 3 (one core, data in L1): 213-223 GFLOP/s-equivalent for tiles of 4 rows
-// x 16 features, against the float32 FMA peak of ~100.
+// broadcast to every lane in vpmaddubsw.
+// - int4 (GGUF Q4_1 groups): unsigned codes <= 15 by signed x, a pair sums to at most
+//   2 * 15 * 127, and a group's 8 such int16 products add up without saturating (8 * 3810 <
+//   32767), so a 32-product group costs one vpmaddubsw and one vpaddw per 8 features and row,
+//   twice the float32 FMA's products per instruction. Per group, the sums widen to int32
+//   (vpmaddwd), turn float and take the group's scales:
+//     y[r, n] = sum_g scale[n, g] * dx[r, g] * (codes[n, g] . q[r, g]) + min[n, g] * sum(x[r, g]).
+//   Measured on AMD Zen 3 (one core, data in L1): 213-223 GFLOP/s-equivalent for tiles of 4 rows x
+//   16 features, against the float32 FMA peak of ~100.
+// - int8 (one scale per output feature): the unsigned side is |w| and x takes w's signs
+//   (vpsignb), so no pair passes 2 * 127 * 127; each pair sum widens to int32 at once (vpmaddwd)
+//   and a group's int32 sums take x's scale:  y[r, n] = scale[n] * sum_g dx[r, g] * (w[n, g] . q[r, g]).
+//   4 x 16 tiles ran at 130 GFLOP/s-equivalent there (the row-at-a-time kernel before: 94).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,19 +29,23 @@
 #include "team.h"
 #include "vec_math.h"
 
+
 namespace {
 
-constexpr int64_t kGroup = 32;       // products per scale / min (the GGUF Q4_1 block)
+constexpr int64_t kGroup = 32;       // products per x scale (and int4 scale / min: the GGUF Q4_1 block)
 constexpr int64_t kPanelCols = 16;   // output features of a panel: two int32 vectors of 8
-constexpr int64_t kCodeBytes = 256;  // a panel's codes of one group: 2 vectors x 4 x 32 bytes
-// A panel's group: its codes, then the 16 features' scales and mins (float32).
+constexpr int64_t kCodeBytes = 256;  // an int4 panel's codes of one group: 2 vectors x 4 x 32 bytes
+// An int4 panel's group: its codes, then the 16 features' scales and mins (float32).
 constexpr int64_t kPanelGroupBytes = kCodeBytes + 2 * kPanelCols * sizeof(float);
+constexpr int64_t kInt8GroupBytes = kPanelCols * kGroup;  // an int8 panel's group: 8 steps x 2 vectors x 32
+// Tiles of one or two rows stream the weights: each step fetches a line this far ahead (8 groups).
+constexpr int64_t kInt8Ahead = 8 * kInt8GroupBytes;
 
 // Built where the CPU has AVX2 but not AVX512-VNNI: measured on AMD Zen 3 only. VNNI CPUs keep
-// their vpdpbusd kernel for few rows and widened weights on their bfloat16 GEMM (AMX on the Xeon)
+// their vpdpbusd kernels for few rows and widened weights on their bfloat16 GEMM (AMX on the Xeon)
 // for more, until the panels are measured against those there.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-#define LOOM_INT4_PANELS 1
+#define LOOM_INTEGER_PANELS 1
 constexpr int kTileRows = 4;  // rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40)
 
 // Codes of group g, vector v (features 8 v .. 8 v + 7) in the panel layout: 4 x 32 bytes, part p
@@ -91,10 +100,10 @@ void quantize_rows(const T* x, int64_t m, const Int8Groups& qx) {
   });
 }
 
-// R rows of x times one panel: y[r, 0:cols] for the panel's features (cols < 16 for a last panel
-// past N). The tile stays inlined: GCC keeps a separate function's accumulators on the stack.
+// R rows of x times one int4 panel: y[r, 0:cols] for the panel's features (cols < 16 for a last
+// panel past N). The tiles stay inlined: GCC keeps a separate function's accumulators on the stack.
 template <int R, typename T>
-__attribute__((always_inline)) inline void panel_tile(const Int4Panels& w, int64_t panel, const Int8Groups& qx,
+__attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_t panel, const Int8Groups& qx,
                                                       int64_t row0, T* y, int64_t ldy, int64_t cols) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
@@ -150,22 +159,76 @@ __attribute__((always_inline)) inline void panel_tile(const Int4Panels& w, int64
   }
 }
 
-template <typename T>
-void run_panel(const Int4Panels& w, int64_t panel, const Int8Groups& qx, int64_t m, T* y, int64_t n_out) {
+// int8 weights [ceil(N/16), K/32, 512] (pack_int8_panels): group g, step s (inputs 4 s .. 4 s + 3),
+// vector v: 32 bytes, lane l = the 4 codes of feature 8 v + l.
+template <int R, typename T>
+__attribute__((always_inline)) inline void int8_tile(const int8_t* panel, int64_t groups, const float* scale,
+                                                     const Int8Groups& qx, int64_t row0, T* y, int64_t ldy,
+                                                     int64_t cols) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int8_t* xq = qx.q + row0 * qx.k;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* codes = panel + g * kInt8GroupBytes;
+    const int8_t* xg = xq + g * kGroup;
+    __m256i sums[R][2];
+#pragma GCC unroll 8
+    for (int step = 0; step < 8; ++step) {
+      __m256i wv[2], magnitude[2];
+      if constexpr (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(codes + kInt8Ahead + step * 64), _MM_HINT_T0);
+      for (int v = 0; v < 2; ++v) {
+        wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + step * 64 + v * 32));
+        magnitude[v] = _mm256_abs_epi8(wv[v]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xg + r * qx.k + 4 * step, sizeof(four));
+        const __m256i xb = _mm256_set1_epi32(four);
+        for (int v = 0; v < 2; ++v) {
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[v], _mm256_sign_epi8(xb, wv[v])), ones);
+          sums[r][v] = step == 0 ? dot : _mm256_add_epi32(sums[r][v], dot);
+          asm("" : "+x"(sums[r][v]));  // (as in int4_tile: keeps the chain)
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(qx.dx[(row0 + r) * qx.groups + g]);
+      for (int v = 0; v < 2; ++v) acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][v]), dx, acc[r][v]);
+    }
+  }
+  alignas(32) float feature_scale[kPanelCols] = {};
+  std::memcpy(feature_scale, scale, cols * sizeof(float));
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kPanelCols];
+    for (int v = 0; v < 2; ++v) _mm256_store_ps(out + 8 * v, _mm256_mul_ps(acc[r][v], _mm256_load_ps(feature_scale + 8 * v)));
+    T* yr = y + r * ldy;
+    for (int64_t c = 0; c < cols; ++c) yr[c] = static_cast<T>(out[c]);
+  }
+}
+
+// Every row of x times one panel of 16 features (y's columns n0 .. n0 + cols), kTileRows rows a
+// tile: tile(R, row0, y_at_row0, cols) with R as a compile-time constant.
+template <typename T, typename Tile>
+void run_panel(int64_t panel, int64_t m, T* y, int64_t n_out, Tile tile) {
   const int64_t n0 = panel * kPanelCols, cols = std::min(kPanelCols, n_out - n0);
   T* yp = y + n0;
   int64_t i = 0;
-  for (; i + kTileRows <= m; i += kTileRows) panel_tile<kTileRows>(w, panel, qx, i, yp + i * n_out, n_out, cols);
+  for (; i + kTileRows <= m; i += kTileRows) tile(std::integral_constant<int, kTileRows>{}, i, yp + i * n_out, cols);
   switch (m - i) {
-    case 3: panel_tile<3>(w, panel, qx, i, yp + i * n_out, n_out, cols); break;
-    case 2: panel_tile<2>(w, panel, qx, i, yp + i * n_out, n_out, cols); break;
-    case 1: panel_tile<1>(w, panel, qx, i, yp + i * n_out, n_out, cols); break;
+    case 3: tile(std::integral_constant<int, 3>{}, i, yp + i * n_out, cols); break;
+    case 2: tile(std::integral_constant<int, 2>{}, i, yp + i * n_out, cols); break;
+    case 1: tile(std::integral_constant<int, 1>{}, i, yp + i * n_out, cols); break;
     default: break;
   }
 }
 
-template <typename T>
-torch::Tensor linear_int4_panels_as(const torch::Tensor& x, const Int4Panels& w, int64_t n_out) {
+// y [M, n_out] = x @ W.T: x quantized once, then the panels shared among the threads (their share
+// front first, then single panels from the back of the other's: team.h), as the float32 panels do.
+template <typename T, typename Tile>
+torch::Tensor linear_panels_as(const torch::Tensor& x, int64_t panels, int64_t n_out, Tile tile) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
   auto codes = torch::empty({m, k}, x.options().dtype(torch::kInt8));
   auto scales = torch::empty({2, m, groups}, x.options().dtype(torch::kFloat32));
@@ -173,9 +236,9 @@ torch::Tensor linear_int4_panels_as(const torch::Tensor& x, const Int4Panels& w,
   quantize_rows(x.data_ptr<T>(), m, qx);
   auto out = torch::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
-  const int64_t panels = (n_out + kPanelCols - 1) / kPanelCols;
-  // Threads take their share of the panels front first, then single panels from the back of the
-  // other's (team.h), as the float32 panels do.
+  const auto panel_rows = [&](int64_t p) {
+    run_panel(p, m, y, n_out, [&](auto r_const, int64_t row0, T* yr, int64_t cols) { tile(r_const, qx, p, row0, yr, n_out, cols); });
+  };
   const int threads = at::get_num_threads();
   if (panels >= 2 * threads && threads > 1 && !at::in_parallel_region()) {
     loom::BlockClaims claims;
@@ -184,22 +247,41 @@ torch::Tensor linear_int4_panels_as(const torch::Tensor& x, const Int4Panels& w,
     {
       const int t = omp_get_thread_num();
       int64_t p0, p1, end;
-      while (claims.take_front(t, 1, p0, p1, end)) run_panel(w, p0, qx, m, y, n_out);
-      for (int64_t p; claims.steal(t, p);) run_panel(w, p, qx, m, y, n_out);
+      while (claims.take_front(t, 1, p0, p1, end)) panel_rows(p0);
+      for (int64_t p; claims.steal(t, p);) panel_rows(p);
     }
   } else {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) run_panel(w, p, qx, m, y, n_out);
+      for (int64_t p = begin; p < end; ++p) panel_rows(p);
     });
   }
   return out;
+}
+
+template <typename T>
+torch::Tensor linear_int4_panels_as(const torch::Tensor& x, const Int4Panels& w, int64_t panels, int64_t n_out) {
+  return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
+                                                   int64_t ldy, int64_t cols) {
+    int4_tile<decltype(r_const)::value>(w, p, qx, row0, y, ldy, cols);
+  });
+}
+
+template <typename T>
+torch::Tensor linear_int8_panels_as(const torch::Tensor& x, const int8_t* w, int64_t panels, const float* scale,
+                                    int64_t n_out) {
+  const int64_t groups = x.size(1) / kGroup;
+  return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
+                                                   int64_t ldy, int64_t cols) {
+    int8_tile<decltype(r_const)::value>(w + p * groups * kInt8GroupBytes, groups, scale + p * kPanelCols, qx, row0, y,
+                                        ldy, cols);
+  });
 }
 #endif
 
 }  // namespace
 
-bool int4_panels() {
-#if defined(LOOM_INT4_PANELS)
+bool integer_panels() {
+#if defined(LOOM_INTEGER_PANELS)
   return true;
 #else
   return false;
@@ -246,16 +328,54 @@ torch::Tensor pack_int4_panels(torch::Tensor w, torch::Tensor scale, torch::Tens
 }
 
 torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor panels, int64_t n_out) {
-#if defined(LOOM_INT4_PANELS)
+#if defined(LOOM_INTEGER_PANELS)
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanelGroupBytes &&
                   panels.size(0) * kPanelCols >= n_out && x.size(1) == panels.size(1) * kGroup,
               "linear_int4_panels: x [M, K] and panels from pack_int4_panels of K / 32 groups");
   const auto xc = x.contiguous();
   const Int4Panels w{panels.data_ptr<uint8_t>(), panels.size(1)};
-  if (xc.scalar_type() == torch::kFloat32) return linear_int4_panels_as<float>(xc, w, n_out);
+  if (xc.scalar_type() == torch::kFloat32) return linear_int4_panels_as<float>(xc, w, panels.size(0), n_out);
   TORCH_CHECK(xc.scalar_type() == torch::kBFloat16, "linear_int4_panels: float32 or bfloat16 x");
-  return linear_int4_panels_as<c10::BFloat16>(xc, w, n_out);
+  return linear_int4_panels_as<c10::BFloat16>(xc, w, panels.size(0), n_out);
 #else
-  TORCH_CHECK(false, "linear_int4_panels needs AVX2 (see int4_panels())");
+  TORCH_CHECK(false, "linear_int4_panels needs AVX2 (see integer_panels())");
+#endif
+}
+
+// int8 [N, K] (K a multiple of 32) -> [ceil(N/16), K/32, 512]: panel p, group g, step s, vector v,
+// lane l, byte j = W[16 p + 8 v + l, 32 g + 4 s + j] (features past N: zero codes).
+torch::Tensor pack_int8_panels(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.size(1) % kGroup == 0,
+              "pack_int8_panels: int8 [N, K] with K a multiple of 32");
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanelCols - 1) / kPanelCols;
+  auto padded = torch::zeros({panels * kPanelCols, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  // [p, v, l, g, s, j] -> [p, g, s, v, l, j]
+  return padded.view({panels, 2, 8, k / kGroup, 8, 4}).permute({0, 3, 4, 1, 2, 5}).contiguous()
+      .view({panels, k / kGroup, kInt8GroupBytes});
+}
+
+// The [N, K] codes of pack_int8_panels' layout (n features).
+torch::Tensor unpack_int8_panels(torch::Tensor panels, int64_t n) {
+  const int64_t count = panels.size(0), groups = panels.size(1);
+  return panels.view({count, groups, 8, 2, 8, 4}).permute({0, 3, 4, 1, 2, 5}).reshape({count * kPanelCols, groups * kGroup})
+      .narrow(0, 0, n);
+}
+
+torch::Tensor linear_int8_panels(torch::Tensor x, torch::Tensor panels, torch::Tensor scale) {
+#if defined(LOOM_INTEGER_PANELS)
+  const int64_t n_out = scale.numel();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.scalar_type() == torch::kInt8 &&
+                  panels.size(2) == kInt8GroupBytes && panels.size(0) * kPanelCols >= n_out &&
+                  x.size(1) == panels.size(1) * kGroup && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(),
+              "linear_int8_panels: x [M, K], panels from pack_int8_panels of K / 32 groups, float32 scale [N]");
+  const auto xc = x.contiguous();
+  const int8_t* w = panels.data_ptr<int8_t>();
+  if (xc.scalar_type() == torch::kFloat32)
+    return linear_int8_panels_as<float>(xc, w, panels.size(0), scale.data_ptr<float>(), n_out);
+  TORCH_CHECK(xc.scalar_type() == torch::kBFloat16, "linear_int8_panels: float32 or bfloat16 x");
+  return linear_int8_panels_as<c10::BFloat16>(xc, w, panels.size(0), scale.data_ptr<float>(), n_out);
+#else
+  TORCH_CHECK(false, "linear_int8_panels needs AVX2 (see integer_panels())");
 #endif
 }
