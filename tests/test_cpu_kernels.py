@@ -216,6 +216,18 @@ def test_dense_float32_linear_on_weights_packed_at_load(kernel, m, n, k):
     torch.testing.assert_close(kernel.linear_dense(x, w, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (40, 72)])
+def test_dense_float32_rows_do_not_depend_on_the_step(kernel, n, k):
+    """A row's output is the same bits whatever else is in the step: large steps on AVX2 builds
+    read x re-laid in tiles' strips, smaller ones its rows, in the same order of products."""
+    torch.manual_seed(n + k)
+    x, w = torch.randn(601, k), torch.randn(n, k) * 0.05
+    packed = kernel.pack_dense_f32(w)
+    whole = kernel.linear_dense(x, w, packed)
+    for rows in (slice(0, 200), slice(401, 601), slice(37, 43)):
+        assert torch.equal(kernel.linear_dense(x[rows], w, packed), whole[rows])
+
 @pytest.mark.parametrize("m", [1, 5, 12, 13, 14, 15, 16, 17, 26, 31, 32, 33, 100, 300])
 @pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 32), (45, 576), (64, 72)])
 def test_bfloat16_linear_on_packed_weights(kernel, m, n, k):
