@@ -14,8 +14,9 @@ Reported per batch size: prefill s and tok/s; decode step ms (median) and tok/s;
 and the rooflines from the probes of the same run (by default each batch size's own: the mean of
 a GEMV and a GEMM probe right before and right after its timed steps; --probe-once takes the
 start-up probe's):
-  bandwidth  a decode step streams every weight once: batch x GEMV rate / weight bytes tok/s
-             (at batch 1 the limit of single-stream decode);
+  bandwidth  a decode step streams every weight once and each row's KV cache: batch x GEMV rate /
+             (weight bytes + batch x mean context x KV bytes per token) tok/s (at batch 1 the
+             limit of single-stream decode);
   GEMM       tok/s x FLOPs per token (2 x weight parameters, LM head included, attention not)
              / GEMM GFLOP/s of the dtype.
 
@@ -52,6 +53,7 @@ add_repo_to_path()
 import torch  # noqa: E402
 
 from worker_proc.cpu_kernels import ISA_LEVELS  # noqa: E402
+from worker_proc.kv_cache import KVPool  # noqa: E402
 from worker_proc.linear import QUANTIZATIONS  # noqa: E402
 
 
@@ -152,7 +154,6 @@ class WeightStats:
 
 
 def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -> Any:
-    from worker_proc.kv_cache import KVPool
     from worker_proc.model_config import ModelConfig
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
@@ -246,11 +247,13 @@ def summarize_steps(batch_size: int, input_len: int, steps: list[Step]) -> dict[
 
 
 def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: float | None,
-                  gemm_rate_gflops: float | None, input_len: int) -> None:
-    """Bandwidth roof: a decode step streams all weights once for the whole batch. GEMM roof: the
-    weight FLOPs of each token at the probed GEMM rate (a prompt's tokens skip the LM head but for
-    the last). The roofline is the lower of the two."""
-    bw = row["batch_size"] * gemv_rate_gbs * 1e9 / weights.bytes if gemv_rate_gbs else None
+                  gemm_rate_gflops: float | None, input_len: int, kv_bytes_per_step: float = 0.0) -> None:
+    """Bandwidth roof: a decode step streams all weights once for the whole batch, and each row's
+    KV cache (kv_bytes_per_step: the mean over the decode steps). GEMM roof: the weight FLOPs of
+    each token at the probed GEMM rate (a prompt's tokens skip the LM head but for the last). The
+    roofline is the lower of the two."""
+    step_bytes = weights.bytes + kv_bytes_per_step
+    bw = row["batch_size"] * gemv_rate_gbs * 1e9 / step_bytes if gemv_rate_gbs else None
     gemm = gemm_rate_gflops * 1e9 / weights.flops_per_token if gemm_rate_gflops else None
     prompt_flops = weights.flops_per_token - weights.head_flops_per_token * (1 - 1 / input_len)
     prefill_gemm = gemm_rate_gflops * 1e9 / prompt_flops if gemm_rate_gflops else None
@@ -261,7 +264,7 @@ def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: floa
         return 100.0 * value / limit if value is not None and limit else None
 
     row.update({
-        "bandwidth_roof_tok_s": bw, "gemm_roof_tok_s": gemm, "roof_tok_s": roof,
+        "bandwidth_roof_tok_s": bw, "gemm_roof_tok_s": gemm, "roof_tok_s": roof, "kv_bytes_per_step": kv_bytes_per_step,
         "decode_pct_of_bandwidth_roof": pct(decode, bw), "decode_pct_of_gemm_roof": pct(decode, gemm),
         "decode_pct_of_roof": pct(decode, roof),
         "prefill_gemm_roof_tok_s": prefill_gemm, "prefill_pct_of_gemm_roof": pct(row["prefill_tok_s"], prefill_gemm),
@@ -361,14 +364,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     backend, kv_slots = runner.kernel_backend, runner.num_slots
     weights = WeightStats.of(runner.model, runner.config)
     gemv_rate, gemm_rate = gemv_gbs(machine, dtype_name), gemm_gflops(machine, dtype_name)
-    batch1_limit = gemv_rate * 1e9 / weights.bytes if gemv_rate else None
+    # a decode step j (1 .. output_len - 1) attends input_len + j tokens of each row
+    kv_per_token = KVPool.bytes_per_token(runner.config.num_layers, runner.config.num_kv_heads,
+                                          runner.config.head_dim, runner.kv_dtype)
+
+    def kv_bytes_per_step(batch: int) -> float:
+        return batch * (args.input_len + args.output_len / 2) * kv_per_token
+
+    batch1_limit = gemv_rate * 1e9 / (weights.bytes + kv_bytes_per_step(1)) if gemv_rate else None
     print("\n".join(header_lines(machine, {"loom": f"{dtype_name}  ({dtype_reason})"}, [
         f"model      {model_dir}",
         f"weights    {weights.matmul_params / 1e6:.1f} M matmul parameters, {weights.bytes / 2**20:.1f} MiB "
         f"streamed per step ({dtype_name}, quantization {args.quantization}), "
         f"{weights.flops_per_token / 1e6:.0f} MFLOP per token",
         f"runner     kernels {runner.kernel_isa}; KV pool {runner.num_slots} tokens",
-        "roof bw    " + (f"batch 1: {weights.bytes / 2**20:.1f} MiB / {gemv_rate:.1f} GB/s -> "
+        "roof bw    " + (f"batch 1: {(weights.bytes + kv_bytes_per_step(1)) / 2**20:.1f} MiB (weights + KV) / "
+                         f"{gemv_rate:.1f} GB/s -> "
                          f"{batch1_limit:.1f} tok/s" if batch1_limit else "n/a (no probe)"),
         "roof GEMM  " + (f"{gemm_rate:.1f} GFLOP/s / {weights.flops_per_token / 1e6:.0f} MFLOP -> "
                          f"{gemm_rate * 1e9 / weights.flops_per_token:.1f} tok/s" if gemm_rate else "n/a (no probe)"),
@@ -403,9 +414,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if paired_probe:
                 after = paired_probe()
                 row["paired_probes"] = {"gemv_gbs": [before[0], after[0]], "gemm_gflops": [before[1], after[1]]}
-                add_rooflines(row, weights, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2, args.input_len)
+                add_rooflines(row, weights, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2, args.input_len,
+                              kv_bytes_per_step(bs))
             else:
-                add_rooflines(row, weights, gemv_rate, gemm_rate, args.input_len)
+                add_rooflines(row, weights, gemv_rate, gemm_rate, args.input_len, kv_bytes_per_step(bs))
             rows.append(row)
     print(format_rows(rows))
     if rows[0]["batch_size"] == 1 and rows[0].get("bandwidth_roof_tok_s") and rows[0]["decode_tok_s"]:
@@ -451,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   "flops_per_token": weights.flops_per_token},
         "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,
                       "batch1_bandwidth_limit_tok_s": batch1_limit, "paired_probes": paired_probe is not None,
-                      "note": "bandwidth roof = batch x GEMV rate / weight bytes (KV reads ignored); GEMM roof = "
+                      "note": "bandwidth roof = batch x GEMV rate / (weight bytes + the batch's KV reads a step, "
+                              "results[i].kv_bytes_per_step); GEMM roof = "
                               "GEMM rate / (2 x weight parameters) (attention FLOPs ignored); with paired probes "
                               "each row's rates are the mean of the probes right before and after its steps "
                               "(results[i].paired_probes), else the start-up probe's"},

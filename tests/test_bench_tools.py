@@ -137,6 +137,9 @@ def test_step_summary_and_rooflines():
     # a prompt token: 2 GFLOP less the head's 0.5 but for 1 token in 100 -> 1.505 GFLOP
     assert row["prefill_gemm_roof_tok_s"] == pytest.approx(100.0 / 1.505)
     assert row["prefill_pct_of_gemm_roof"] == pytest.approx(400.0 * 1.505)
+    # the batch's KV reads count with the weights: 4 rows x 10 GB/s / (1 + 0.25) GB
+    add_rooflines(row, weights, gemv_rate_gbs=10.0, gemm_rate_gflops=100.0, input_len=100, kv_bytes_per_step=0.25e9)
+    assert row["bandwidth_roof_tok_s"] == pytest.approx(32.0) and row["roof_tok_s"] == pytest.approx(32.0)
 
 
 def test_plots_write_pngs(tmp_path):
@@ -158,11 +161,15 @@ def test_one_batch_rooflines_come_from_probes_paired_with_each_batch(default_mod
                                    "float32", "--no-plot", "--probe-working-set-mb", "64",
                                    "--json", str(tmp_path / "one_batch.json")])
     weights = result["model"]["weight_bytes"]
+    # SmolLM2 in float32: 30 layers x K and V x 3 heads x 64 x 4 bytes a token, 8 + 3 / 2 tokens a row
+    kv_per_row = 30 * 2 * 3 * 64 * 4 * 9.5
     assert result["rooflines"]["paired_probes"]
     for row in result["results"]:
         gemv, gemm = row["paired_probes"]["gemv_gbs"], row["paired_probes"]["gemm_gflops"]
         assert len(gemv) == len(gemm) == 2 and min(gemv + gemm) > 0
-        assert row["bandwidth_roof_tok_s"] == pytest.approx(row["batch_size"] * sum(gemv) / 2 * 1e9 / weights)
+        assert row["kv_bytes_per_step"] == pytest.approx(row["batch_size"] * kv_per_row)
+        assert row["bandwidth_roof_tok_s"] == pytest.approx(
+            row["batch_size"] * sum(gemv) / 2 * 1e9 / (weights + row["batch_size"] * kv_per_row))
         assert row["gemm_roof_tok_s"] == pytest.approx(sum(gemm) / 2 * 1e9 / result["model"]["flops_per_token"])
         assert row["decode_steps"] == 2 and row["decode_tok_s"] > 0
 
