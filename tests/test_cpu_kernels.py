@@ -392,6 +392,27 @@ def test_int8_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
     torch.testing.assert_close(y.float(), F.linear(_int8_per_group(x.float()), w8), atol=tol * 20, rtol=tol * 2)
 
 
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_integer_panels_rows_do_not_depend_on_the_step(kernel, scheme):
+    """A row's output is the same bits whatever else is in the step: large steps quantize x into
+    the tiles' strips (tails of 1-3 rows included), smaller ones by rows."""
+    if not kernel.integer_panels():
+        pytest.skip("this build has no integer panels (AVX2 builds without AVX512-VNNI)")
+    torch.manual_seed(7)
+    x, w = torch.randn(603, 160), torch.randn(45, 160) * 0.05
+    if scheme == "int4":
+        q4, s4, m4 = quantize_int4(w)
+        panels = kernel.pack_int4_panels(q4, s4, m4)
+        linear = lambda rows: kernel.linear_int4_panels(rows, panels, 45)  # noqa: E731
+    else:
+        q8, s8 = quantize_int8(w)
+        panels = kernel.pack_int8(q8)
+        linear = lambda rows: kernel.linear_int8(rows, panels, s8)  # noqa: E731
+    whole = linear(x)
+    for rows in (slice(0, 200), slice(401, 603), slice(598, 603), slice(37, 43)):
+        assert torch.equal(linear(x[rows]), whole[rows])
+
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:
     """x @ W.T for the dequantized int4 W = codes * scale + min. With int8 activations (integer dot
     products) the codes term sees x rounded to int8 per group of 32; the min term sees x itself."""

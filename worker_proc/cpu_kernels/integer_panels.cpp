@@ -47,6 +47,7 @@ constexpr int64_t kInt8Ahead = 8 * kInt8GroupBytes;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #define LOOM_INTEGER_PANELS 1
 constexpr int kTileRows = 4;  // rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40)
+constexpr int64_t kStripRows = 256;  // steps of this many rows or more quantize x into strips (Int8Groups)
 
 // Codes of group g, vector v (features 8 v .. 8 v + 7) in the panel layout: 4 x 32 bytes, part p
 // holding, in lane l, byte j: element 8 p + j (low nibble) and 8 p + 4 + j (high nibble) of feature
@@ -64,6 +65,18 @@ struct Int8Groups {
   float* dx;
   float* sum;
   int64_t k, groups;
+  // With strips, q lies as the tiles read it: per tile of rows, per group, each row's 32 codes (one
+  // stream a tile where x outgrows L2). int4 on the model's shapes (Zen 3, 2 threads, outputs
+  // identical, medians of 8 in turn): 1,056 rows 1.095x, 256 rows 1.04x, 64 rows 1.00x; int8 1.02x
+  // at 1,056 rows.
+  int64_t m = 0;
+  bool strips = false;
+  // where row i's group g lies
+  int8_t* at(int64_t i, int64_t g) const {
+    if (!strips) return q + i * k + g * kGroup;
+    const int64_t row0 = i / kTileRows * kTileRows, rows = std::min<int64_t>(kTileRows, m - row0);
+    return q + row0 * k + (g * rows + i - row0) * kGroup;
+  }
 };
 
 // One group of 32 inputs of one row: int8 codes (round to nearest, as the scalar kernels'
@@ -95,7 +108,7 @@ void quantize_rows(const T* x, int64_t m, const Int8Groups& qx) {
     for (int64_t i = begin; i < end; ++i)
       for (int64_t g = 0; g < qx.groups; ++g) {
         const int64_t at = i * qx.groups + g;
-        quantize_group(x + i * qx.k + g * kGroup, qx.q + i * qx.k + g * kGroup, qx.dx[at], qx.sum[at]);
+        quantize_group(x + i * qx.k + g * kGroup, qx.at(i, g), qx.dx[at], qx.sum[at]);
       }
   });
 }
@@ -109,9 +122,10 @@ __attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int8_t* xq = qx.q + row0 * qx.k;
+  const int64_t x_row = qx.strips ? kGroup : qx.k, x_group = qx.strips ? R * kGroup : kGroup;
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* codes = w.group(panel, g);
-    const int8_t* xg = xq + g * kGroup;
+    const int8_t* xg = xq + g * x_group;
     __m256i sums[R][2];
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
@@ -125,7 +139,7 @@ __attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           int32_t four;
-          std::memcpy(&four, xg + r * qx.k + 8 * p + 4 * high, sizeof(four));
+          std::memcpy(&four, xg + r * x_row + 8 * p + 4 * high, sizeof(four));
           const __m256i xb = _mm256_set1_epi32(four);
           for (int v = 0; v < 2; ++v) {
             const __m256i prod = _mm256_maddubs_epi16(wv[v], xb);
@@ -169,9 +183,10 @@ __attribute__((always_inline)) inline void int8_tile(const int8_t* panel, int64_
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int8_t* xq = qx.q + row0 * qx.k;
+  const int64_t x_row = qx.strips ? kGroup : qx.k, x_group = qx.strips ? R * kGroup : kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* codes = panel + g * kInt8GroupBytes;
-    const int8_t* xg = xq + g * kGroup;
+    const int8_t* xg = xq + g * x_group;
     __m256i sums[R][2];
 #pragma GCC unroll 8
     for (int step = 0; step < 8; ++step) {
@@ -184,7 +199,7 @@ __attribute__((always_inline)) inline void int8_tile(const int8_t* panel, int64_
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, xg + r * qx.k + 4 * step, sizeof(four));
+        std::memcpy(&four, xg + r * x_row + 4 * step, sizeof(four));
         const __m256i xb = _mm256_set1_epi32(four);
         for (int v = 0; v < 2; ++v) {
           const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[v], _mm256_sign_epi8(xb, wv[v])), ones);
@@ -232,7 +247,8 @@ torch::Tensor linear_panels_as(const torch::Tensor& x, int64_t panels, int64_t n
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
   auto codes = torch::empty({m, k}, x.options().dtype(torch::kInt8));
   auto scales = torch::empty({2, m, groups}, x.options().dtype(torch::kFloat32));
-  const Int8Groups qx{codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(), k, groups};
+  const Int8Groups qx{codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(), k, groups,
+                      m, m >= kStripRows};
   quantize_rows(x.data_ptr<T>(), m, qx);
   auto out = torch::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
