@@ -738,12 +738,22 @@ void dense_f32_dots(const float* x, const float* w, float* y, int64_t m, int64_t
 
 // y[i0 : i0 + MR, panel columns] (+)= x[i0 : i0 + MR, k-range] @ panel; panel[kk][c] = W[c, k0 + kk];
 // x[i][kk] at x[i * x_row + kk * x_step].
+// AVX2: with `fetch`, input kk also prefetches line (kk * fetch_step) >> 16 from `fetch` on.
 template <int MR>
 inline void panel_tile(const float* x, int64_t x_row, int64_t x_step, const float* panel, int64_t kb, float* y,
-                       int64_t ldy, bool first) {
+                       int64_t ldy, bool first, const char* fetch, int64_t fetch_step) {
 #if defined(__AVX512F__)
   loom::broadcast_tile_32<MR>(x, x_row, kb, panel, y, ldy, !first);
 #else
+  if (fetch) {
+    auto load_panel_row = [panel, fetch, fetch_step](int64_t kk, __m256& b0, __m256& b1) __attribute__((always_inline)) {
+      _mm_prefetch(fetch + (((kk * fetch_step) >> 16) << 6), _MM_HINT_T0);
+      b0 = _mm256_load_ps(panel + kk * kPanel);
+      b1 = _mm256_load_ps(panel + kk * kPanel + 8);
+    };
+    loom::broadcast_tile_16<MR>(x, x_row, x_step, kb, load_panel_row, y, ldy, !first);
+    return;
+  }
   auto load_panel_row = [panel](int64_t kk, __m256& b0, __m256& b1) __attribute__((always_inline)) {
     b0 = _mm256_load_ps(panel + kk * kPanel);
     b1 = _mm256_load_ps(panel + kk * kPanel + 8);
@@ -755,10 +765,10 @@ inline void panel_tile(const float* x, int64_t x_row, int64_t x_step, const floa
 // The last rows of x (fewer than kPanelTileRows): one tile of `rows` rows.
 template <int MR>
 inline void panel_tail(int64_t rows, const float* x, int64_t x_row, int64_t x_step, const float* panel, int64_t kb,
-                       float* y, int64_t ldy, bool first) {
+                       float* y, int64_t ldy, bool first, const char* fetch, int64_t fetch_step) {
   if constexpr (MR > 0) {
-    if (rows == MR) panel_tile<MR>(x, x_row, x_step, panel, kb, y, ldy, first);
-    else panel_tail<MR - 1>(rows, x, x_row, x_step, panel, kb, y, ldy, first);
+    if (rows == MR) panel_tile<MR>(x, x_row, x_step, panel, kb, y, ldy, first, fetch, fetch_step);
+    else panel_tail<MR - 1>(rows, x, x_row, x_step, panel, kb, y, ldy, first, fetch, fetch_step);
   }
 }
 
@@ -776,19 +786,43 @@ inline void pack_panel(const float* w, int64_t k, int64_t row0, int64_t k0, int6
     for (int64_t kk = 0; kk < kb; kk += 8) transpose_8x8(w + (row0 + c) * k + k0 + kk, k, panel + kk * kPanel + c);
 }
 
+// A tile of the AVX2 panels that would fetch this many lines of the next chunk or more fetches
+// them as it computes, one an input, not in a burst after it: a burst of dozens of lines overruns
+// the L1's miss buffers (24 on Zen 3) while the tile waits. The model's linears on Zen 3 (prepacked,
+// weights from DRAM, medians of 12-30 in turn, two or three runs): 4-16 rows (64-128 lines a tile)
+// 1.13-1.20x, 24 rows 1.06x; 32 rows (43 lines) 0.98-1.11x: undecided, so left as it was; 40 and 48
+// rows (37 and 32 lines) 0.95-1.01x; with every tile spreading, 64-1,056 rows lost 4-7% to the
+// extra prefetches. Greedy decoding, both builds in one process, medians of 6 in turn: batch 4
+// 1.14x, 8 1.12x, 16 1.02x, 24 1.04x, 1 1.03x (batch 32, unchanged: 1.02x).
+constexpr int64_t kSpreadFetchLines = 64;
+
 // Prefetches (into L2) the W lines of the panel chunk after this one, a share after each tile of
 // y: packing used to wait on DRAM for every chunk, ~25% of the time at 64 rows.
 // With prepacked panels, next_packed is where the next chunk starts: one contiguous range, fetched
-// into L1.
+// into L1, on AVX2 spread over the tiles' inputs where they are few (kSpreadFetchLines).
 struct NextChunkFetch {
   const float* w;
   const float* next_packed;
   int64_t k, row0, k0, lines_per_row, lines, tiles, issued = 0, tile = 0;
-  NextChunkFetch(const float* w, const float* next_packed, int64_t k, int64_t row0, int64_t k0, int64_t tiles)
+  bool spread = false;
+  NextChunkFetch(const float* w, const float* next_packed, int64_t k, int64_t row0, int64_t k0, int64_t tiles,
+                 int64_t kb)
       : w(w), next_packed(next_packed), k(k), row0(row0), k0(k0), lines_per_row(std::min(kPanelK, k - k0) / 16),
-        lines(kPanel * lines_per_row), tiles(tiles) {}
+        lines(kPanel * lines_per_row), tiles(tiles) {
+#if !defined(__AVX512F__)
+    // (at most one line an input: a tile of a short chunk keeps the burst)
+    spread = next_packed && tiles > 0 && lines >= kSpreadFetchLines * tiles && lines <= kb * tiles;
+#endif
+  }
+  // Where tile t fetches as it computes (nullptr: after_tile does) and its 16.16 lines per input.
+  const char* spread_start(int64_t t, int64_t kb, int64_t& step) const {
+    if (!spread) return nullptr;
+    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+    step = ((l1 - l0) << 16) / kb;
+    return reinterpret_cast<const char*>(next_packed) + 64 * l0;
+  }
   void after_tile() {  // tiles == 0: nothing comes next
-    if (tiles == 0) return;
+    if (tiles == 0 || spread) return;
     const int64_t upto = lines * ++tile / tiles;
     for (; issued < upto; ++issued) {
       if (next_packed) {
@@ -867,7 +901,7 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
       const bool last_chunk = k0 + kPanelK >= k;
       // packed chunks lie in order: the next one (this panel's or the next panel's first) follows
       NextChunkFetch fetch(w, packed ? panel + kb * kPanel : nullptr, k, (last_chunk ? p + 1 : p) * kPanel,
-                           last_chunk ? 0 : k0 + kPanelK, last_chunk && !fetch_next ? 0 : tiles);
+                           last_chunk ? 0 : k0 + kPanelK, last_chunk && !fetch_next ? 0 : tiles, kb);
       float* yp = y + p * kPanel;
       const bool first = k0 == 0;
       for (int64_t t = 0; t < tiles; ++t) {
@@ -877,10 +911,13 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
 #if !defined(__AVX512F__)
         if (strips) xt = strips->tile(k0, t), x_row = 1, x_step = rows;
 #endif
+        int64_t fetch_step = 0;
+        const char* fetch_from = fetch.spread_start(t, kb, fetch_step);
         if (rows == kPanelTileRows)
-          panel_tile<kPanelTileRows>(xt, x_row, x_step, panel, kb, yp + i * n_out, n_out, first);
+          panel_tile<kPanelTileRows>(xt, x_row, x_step, panel, kb, yp + i * n_out, n_out, first, fetch_from, fetch_step);
         else
-          panel_tail<kPanelTileRows - 1>(rows, xt, x_row, x_step, panel, kb, yp + i * n_out, n_out, first);
+          panel_tail<kPanelTileRows - 1>(rows, xt, x_row, x_step, panel, kb, yp + i * n_out, n_out, first, fetch_from,
+                                         fetch_step);
         fetch.after_tile();
       }
     }
