@@ -71,6 +71,11 @@ struct Int8Groups {
   // at 1,056 rows.
   int64_t m = 0;
   bool strips = false;
+  // A tile of R rows from row0 (a multiple of kTileRows) finds row r's group g at
+  // tile_codes(row0) + r * row_step() + g * group_step(R).
+  const int8_t* tile_codes(int64_t row0) const { return q + row0 * k; }
+  int64_t row_step() const { return strips ? kGroup : k; }
+  int64_t group_step(int64_t rows) const { return strips ? rows * kGroup : kGroup; }
   // where row i's group g lies
   int8_t* at(int64_t i, int64_t g) const {
     if (!strips) return q + i * k + g * kGroup;
@@ -121,8 +126,8 @@ __attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int8_t* xq = qx.q + row0 * qx.k;
-  const int64_t x_row = qx.strips ? kGroup : qx.k, x_group = qx.strips ? R * kGroup : kGroup;
+  const int8_t* xq = qx.tile_codes(row0);
+  const int64_t x_row = qx.row_step(), x_group = qx.group_step(R);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* codes = w.group(panel, g);
     const int8_t* xg = xq + g * x_group;
@@ -182,8 +187,8 @@ __attribute__((always_inline)) inline void int8_tile(const int8_t* panel, int64_
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int8_t* xq = qx.q + row0 * qx.k;
-  const int64_t x_row = qx.strips ? kGroup : qx.k, x_group = qx.strips ? R * kGroup : kGroup;
+  const int8_t* xq = qx.tile_codes(row0);
+  const int64_t x_row = qx.row_step(), x_group = qx.group_step(R);
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* codes = panel + g * kInt8GroupBytes;
     const int8_t* xg = xq + g * x_group;

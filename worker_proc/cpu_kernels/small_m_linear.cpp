@@ -852,14 +852,14 @@ struct XStrips {
     buffer.resize(std::max<size_t>(buffer.size(), m * k + chunks * tiles * 8 + 8));
     data = buffer.data();
   }
-  const float* tile(int64_t k0, int64_t t) const {
+  float* tile(int64_t k0, int64_t t) const {
     const int64_t kb = std::min(kPanelK, k - k0);
     return data + k0 * m + (k0 / kPanelK) * tiles * 8 + starts[t] * kb + t * 8;
   }
   void pack(const float* x, int64_t k0, int64_t t) {
     const int64_t kb = std::min(kPanelK, k - k0), rows = starts[t + 1] - starts[t];
     const float* src = x + starts[t] * k + k0;
-    float* dst = const_cast<float*>(tile(k0, t));
+    float* dst = tile(k0, t);
     for (int64_t kk = 0; kk < kb; kk += 8) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) r[j] = j < rows ? _mm256_loadu_ps(src + j * k + kk) : _mm256_setzero_ps();
