@@ -742,8 +742,9 @@ void dense_f32_dots(const float* x, const float* w, float* y, int64_t m, int64_t
 // (Inlined where it is called: with a second loop added here GCC once kept it apart, and every
 // tile ran at ~60 GFLOP/s.)
 template <int MR>
-__attribute__((always_inline)) inline void panel_tile(const float* x, int64_t x_row, int64_t x_step, const float* panel, int64_t kb, float* y,
-                       int64_t ldy, bool first, const char* fetch, int64_t fetch_step) {
+__attribute__((always_inline)) inline void panel_tile(const float* x, int64_t x_row, int64_t x_step, const float* panel,
+                                                      int64_t kb, float* y, int64_t ldy, bool first, const char* fetch,
+                                                      int64_t fetch_step) {
 #if defined(__AVX512F__)
   loom::broadcast_tile_32<MR>(x, x_row, kb, panel, y, ldy, !first);
 #else
