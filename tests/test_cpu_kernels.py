@@ -392,7 +392,6 @@ def test_int8_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
     torch.testing.assert_close(y.float(), F.linear(_int8_per_group(x.float()), w8), atol=tol * 20, rtol=tol * 2)
 
 
-
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_integer_panels_rows_do_not_depend_on_the_step(kernel, scheme):
     """A row's output is the same bits whatever else is in the step: large steps quantize x into
@@ -412,6 +411,7 @@ def test_integer_panels_rows_do_not_depend_on_the_step(kernel, scheme):
     whole = linear(x)
     for rows in (slice(0, 200), slice(401, 603), slice(598, 603), slice(37, 43)):
         assert torch.equal(linear(x[rows]), whole[rows])
+
 
 def _int4_reference(x, q4, s4, m4, int8_acts: bool) -> torch.Tensor:
     """x @ W.T for the dequantized int4 W = codes * scale + min. With int8 activations (integer dot

@@ -78,9 +78,8 @@ struct Int8Groups {
   int64_t group_step(int64_t rows) const { return strips ? rows * kGroup : kGroup; }
   // where row i's group g lies
   int8_t* at(int64_t i, int64_t g) const {
-    if (!strips) return q + i * k + g * kGroup;
-    const int64_t row0 = i / kTileRows * kTileRows, rows = std::min<int64_t>(kTileRows, m - row0);
-    return q + row0 * k + (g * rows + i - row0) * kGroup;
+    const int64_t row0 = strips ? i / kTileRows * kTileRows : i, rows = std::min<int64_t>(kTileRows, m - row0);
+    return q + row0 * k + (i - row0) * row_step() + g * group_step(rows);
   }
 };
 

@@ -806,19 +806,19 @@ constexpr int64_t kSpreadFetchLines = 64;
 struct NextChunkFetch {
   const float* w;
   const float* next_packed;
-  int64_t k, row0, k0, lines_per_row, lines, tiles, issued = 0, tile = 0;
+  int64_t k, row0, k0, lines_per_row, lines, tiles, kb, issued = 0, tile = 0;  // kb: this chunk's inputs
   bool spread = false;
   NextChunkFetch(const float* w, const float* next_packed, int64_t k, int64_t row0, int64_t k0, int64_t tiles,
                  int64_t kb)
       : w(w), next_packed(next_packed), k(k), row0(row0), k0(k0), lines_per_row(std::min(kPanelK, k - k0) / 16),
-        lines(kPanel * lines_per_row), tiles(tiles) {
+        lines(kPanel * lines_per_row), tiles(tiles), kb(kb) {
 #if !defined(__AVX512F__)
     // (at most one line an input: a tile of a short chunk keeps the burst)
     spread = next_packed && tiles > 0 && lines >= kSpreadFetchLines * tiles && lines <= kb * tiles;
 #endif
   }
   // Where tile t fetches as it computes (nullptr: after_tile does) and its 16.16 lines per input.
-  const char* spread_start(int64_t t, int64_t kb, int64_t& step) const {
+  const char* spread_start(int64_t t, int64_t& step) const {
     if (!spread) return nullptr;
     const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
     step = ((l1 - l0) << 16) / kb;
@@ -915,7 +915,7 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
         if (strips) xt = strips->tile(k0, t), x_row = 1, x_step = rows;
 #endif
         int64_t fetch_step = 0;
-        const char* fetch_from = fetch.spread_start(t, kb, fetch_step);
+        const char* fetch_from = fetch.spread_start(t, fetch_step);
         if (rows == kPanelTileRows)
           panel_tile<kPanelTileRows>(xt, x_row, x_step, panel, kb, yp + i * n_out, n_out, first, fetch_from, fetch_step);
         else
