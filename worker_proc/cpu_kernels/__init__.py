@@ -25,8 +25,9 @@ from pathlib import Path
 
 log = logging.getLogger("loom.kernels")
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / n for n in ("bindings.cpp", "paged_attention.cpp", "small_m_linear.cpp", "fused_ops.cpp",
-                                "layer_stack.cpp", "half_linear.cpp", "amx_linear.cpp", "integer_panels.cpp")]
+# (longest compile first: the build runs them two or more at a time)
+_SOURCES = [_HERE / n for n in ("paged_attention.cpp", "layer_stack.cpp", "small_m_linear.cpp", "bindings.cpp",
+                                "integer_panels.cpp", "fused_ops.cpp", "half_linear.cpp", "amx_linear.cpp")]
 _HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h", "amx_tiles.h", "team.h")]
 
 ISA_LEVELS = ("native", "avx512", "avx2", "scalar")
@@ -110,7 +111,7 @@ def _build_dir(name: str) -> Path:
 
 
 def load(level: str = "native"):
-    """The kernels built for `level` (compiled on first use, about half a minute on 2 cores), or
+    """The kernels built for `level` (compiled on first use, about a minute on 2 cores), or
     None where they cannot be built. A level this CPU cannot execute is refused."""
     if level not in ISA_LEVELS:
         raise ValueError(f"kernel level {level!r}: choose one of {', '.join(ISA_LEVELS)}")
@@ -147,7 +148,7 @@ class _CompileNotice:
     def __enter__(self):
         if self.message is None:
             return self
-        log.warning("%s (about 30-60 s) ...", self.message)
+        log.warning("%s (about a minute on 2 cores) ...", self.message)
         self._start = time.monotonic()
         if sys.stderr.isatty():
             threading.Thread(target=self._tick, daemon=True).start()

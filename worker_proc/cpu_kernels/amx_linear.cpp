@@ -22,7 +22,8 @@
 //
 // Tiles: 0-3 sums (row tile i, column tile j -> tile 2 i + j, 16 x 16 float32 each), 4-5 rows of
 // x (16 rows x 32 inputs), 6-7 the two column tiles of W: a 32 x 32 block of y per pass over K.
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -215,13 +216,13 @@ int64_t packed_bf16_rows() {
 #endif
 }
 
-torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated) {
+at::Tensor pack_dense_bf16(at::Tensor w, bool gated) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
   const int64_t n = w.size(0), k = w.size(1), half = n / 2;
-  if (!packed_bf16_rows() || w.scalar_type() != torch::kBFloat16 || n % kBlockN || k % kBlockK || n == 0 || k == 0 ||
+  if (!packed_bf16_rows() || w.scalar_type() != at::kBFloat16 || n % kBlockN || k % kBlockK || n == 0 || k == 0 ||
       (gated && half % kTileRows))
-    return torch::empty({0}, w.options());
-  auto out = torch::empty({n / kBlockN, k / kBlockK, 2, kTileRows, kBlockK}, w.options());
+    return at::empty({0}, w.options());
+  auto out = at::empty({n / kBlockN, k / kBlockK, 2, kTileRows, kBlockK}, w.options());
   // W's row for column c of column tile t of block b
   const auto source_row = [&](int64_t b, int64_t t, int64_t c) {
     return gated ? t * half + b * kTileRows + c : b * kBlockN + t * kTileRows + c;
@@ -241,19 +242,19 @@ torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated) {
   return gated ? out.view({n / kBlockN, k / kBlockK, 2, kTileRows, kTileRows, 2}) : out;
 }
 
-torch::Tensor linear_packed_bf16(torch::Tensor x_in, torch::Tensor packed) {
+at::Tensor linear_packed_bf16(at::Tensor x_in, at::Tensor packed) {
   const bool gated = packed.dim() == 6;
   const std::vector<int64_t> tile_row = gated ? std::vector<int64_t>{kTileRows, 2} : std::vector<int64_t>{kBlockK};
-  TORCH_CHECK((packed.dim() == 5 || gated) && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
-                  packed.size(2) == 2 && packed.size(3) == kTileRows && packed.sizes().slice(4) == torch::IntArrayRef(tile_row),
+  TORCH_CHECK((packed.dim() == 5 || gated) && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == 2 && packed.size(3) == kTileRows && packed.sizes().slice(4) == at::IntArrayRef(tile_row),
               "packed must come from pack_dense_bf16");
   const int64_t k = packed.size(1) * kBlockK, n = packed_bf16_cols(packed);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && x_in.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && x_in.scalar_type() == at::kBFloat16,
               "x must be bfloat16 [M, K] with the packed weights' K");
   TORCH_CHECK(packed_bf16_rows(), "linear_packed_bf16: this build has no bfloat16 products");
   auto x = x_in.contiguous();
   const int64_t m = x.size(0);
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   loom::BlockClaims claims;
   claims.reset(packed.size(0), at::get_num_threads());
@@ -262,11 +263,11 @@ torch::Tensor linear_packed_bf16(torch::Tensor x_in, torch::Tensor packed) {
   return out;
 }
 
-int64_t packed_bf16_cols(const torch::Tensor& packed) {
+int64_t packed_bf16_cols(const at::Tensor& packed) {
   return packed.size(0) * (packed.dim() == 6 ? kTileRows : kBlockN);  // 16 gated columns a block, else 32
 }
 
-void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const torch::Tensor& packed, at::BFloat16* y,
+void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const at::Tensor& packed, at::BFloat16* y,
                              loom::BlockClaims& claims) {
 #if defined(__AVX512BF16__)
   const bool gated = packed.dim() == 6;

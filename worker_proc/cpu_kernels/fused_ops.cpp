@@ -2,7 +2,9 @@
 // instead of dozens of small torch ops. Each rounds to the activation dtype exactly where the
 // unfused torch code does (worker_proc/ops.py holds that reference), so outputs match it in
 // float32 and within one bf16 rounding step elsewhere.
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -231,16 +233,16 @@ int64_t argmax_row(const T* row, int64_t n) {
 }
 
 #define LOOM_DISPATCH(dtype, NAME, ...)                                                        \
-  if (dtype == torch::kFloat32) { using scalar_t = float; __VA_ARGS__(); }                     \
-  else if (dtype == torch::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); }         \
+  if (dtype == at::kFloat) { using scalar_t = float; __VA_ARGS__(); }                     \
+  else if (dtype == at::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); }         \
   else TORCH_CHECK(false, NAME ": float32 or bfloat16 expected")
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type(),
               "rms_norm: contiguous x and weight of one dtype expected");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t dim = x.size(-1);
   LOOM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
@@ -250,12 +252,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // residual += x (in place); returns rms_norm(residual).
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() &&
                   x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() &&
                   x.scalar_type() == weight.scalar_type(),
               "add_rms_norm: contiguous x, residual, weight of one shape and dtype expected");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t dim = x.size(-1);
   LOOM_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
@@ -264,9 +266,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor x) {
+at::Tensor silu_mul(at::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: contiguous [T, 2I] expected");
-  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   LOOM_DISPATCH(x.scalar_type(), "silu_mul", [&] {
     silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1) / 2);
   });
@@ -275,13 +277,13 @@ torch::Tensor silu_mul(torch::Tensor x) {
 
 // Rotates, in place, the first `heads` heads of each row of qkv [T, row_stride] (q then k are
 // adjacent in the fused projection, so q and k heads are rotated in one pass).
-void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t heads,
            int64_t head_dim) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * head_dim, "rope_: qkv [T, W] rows");
-  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == torch::kInt64 && positions.numel() == qkv.size(0),
+  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == at::kLong && positions.numel() == qkv.size(0),
               "rope_: int64 positions, one per row");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32 && cos.size(1) == head_dim && head_dim % 2 == 0,
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.size(1) == head_dim && head_dim % 2 == 0,
               "rope_: float32 cos/sin [P, head_dim]");
   LOOM_DISPATCH(qkv.scalar_type(), "rope_", [&] {
     rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
@@ -289,7 +291,7 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch:
   });
 }
 
-void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, torch::Tensor v) {
+void store_kv(at::Tensor kv, at::Tensor out_cache_loc, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(kv.is_contiguous() && kv.dim() == 4 && kv.size(1) == 2, "store_kv: contiguous kv [S, 2, KVH, D]");
   const int64_t rows = k.size(0), width = kv.stride(1), slots = kv.size(0);
   for (const auto& t : {k, v}) {
@@ -298,9 +300,9 @@ void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, to
                 "store_kv: k and v [T, KVH, D] (or [T, KVH * D]) of one dtype and kv's head shape, each row contiguous");
   }
   TORCH_CHECK(out_cache_loc.is_contiguous() && out_cache_loc.numel() == rows &&
-                  (out_cache_loc.scalar_type() == torch::kInt64 || out_cache_loc.scalar_type() == torch::kInt32),
+                  (out_cache_loc.scalar_type() == at::kLong || out_cache_loc.scalar_type() == at::kInt),
               "store_kv: one int32/int64 slot per row");
-  const bool wide = out_cache_loc.scalar_type() == torch::kInt64;
+  const bool wide = out_cache_loc.scalar_type() == at::kLong;
   const int64_t* slots64 = wide ? out_cache_loc.data_ptr<int64_t>() : nullptr;
   const int32_t* slots32 = wide ? nullptr : out_cache_loc.data_ptr<int32_t>();
   // rows of k and v (the model's dtype) into slots of the pool's dtype (the same or narrower)
@@ -320,12 +322,12 @@ void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, to
   const auto src = k.scalar_type(), dst = kv.scalar_type();
   if (src == dst) {
     LOOM_DISPATCH(src, "store_kv", [&] { store(scalar_t{}, scalar_t{}); });
-  } else if (src == torch::kFloat32 && dst == torch::kHalf) {
+  } else if (src == at::kFloat && dst == at::kHalf) {
     store(float{}, c10::Half{});
-  } else if (src == torch::kFloat32 && dst == torch::kBFloat16) {
+  } else if (src == at::kFloat && dst == at::kBFloat16) {
     store(float{}, c10::BFloat16{});
   } else {
-    TORCH_CHECK(src == torch::kBFloat16 && dst == torch::kHalf,
+    TORCH_CHECK(src == at::kBFloat16 && dst == at::kHalf,
                 "store_kv: k and v of kv's dtype, or float32 into a bfloat16 or float16 pool, or bfloat16 into a "
                 "float16 one");
     store(c10::BFloat16{}, c10::Half{});
@@ -333,9 +335,9 @@ void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, to
 }
 
 // [B, V] -> int64 [B]: the first index of each row's largest value (as torch.argmax, NaNs aside).
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0, "argmax_rows: contiguous [B, V] expected");
-  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   LOOM_DISPATCH(x.scalar_type(), "argmax_rows", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     int64_t* o = out.data_ptr<int64_t>();

@@ -12,7 +12,10 @@
 // K = 1536 erred 4e-3 of |y|, bfloat16 linears 2.7e-3; spans of 128 pairs 1.5-1.8e-3 at 0.95x the
 // speed of unwidened sums, spans of 64 1.1-1.3e-3 at 0.8x). Other builds
 // widen the weights to float32 (F16C) and keep x in float32: the bandwidth gain alone.
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -178,17 +181,17 @@ void run_tile(int rows, int panels, const XElem* x, int64_t x_stride, const uint
 
 }  // namespace
 
-torch::Tensor pack_half(torch::Tensor w) {
+at::Tensor pack_half(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.is_floating_point(), "pack_half: floating-point [N, K] weights expected");
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kCols - 1) / kCols, pairs = (k + 1) / 2;
-  auto padded = torch::zeros({panels * kCols, pairs * 2}, w.options().dtype(torch::kHalf));
+  auto padded = at::zeros({panels * kCols, pairs * 2}, w.options().dtype(at::kHalf));
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
   // [P, 16, pairs, 2] -> [P, pairs, 16, 2]
   return padded.view({panels, kCols, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor linear_half(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kHalf && packed.dim() == 4 &&
+at::Tensor linear_half(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kHalf && packed.dim() == 4 &&
                   packed.size(2) == kCols && packed.size(3) == 2,
               "linear_half: packed must come from pack_half");
   const int64_t panels = packed.size(0), pairs = packed.size(1);
@@ -196,15 +199,15 @@ torch::Tensor linear_half(torch::Tensor x, torch::Tensor packed, int64_t n) {
                   n <= panels * kCols,
               "linear_half: x [M, K] and n must match the packed weights");
   const int64_t m = x.size(0);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  if (xf.size(1) < 2 * pairs) xf = torch::constant_pad_nd(xf, {0, 2 * pairs - xf.size(1)});
+  auto xf = x.to(at::kFloat).contiguous();
+  if (xf.size(1) < 2 * pairs) xf = at::constant_pad_nd(xf, {0, 2 * pairs - xf.size(1)});
 #if defined(LOOM_FP16_MATH)
-  const auto xs = xf.to(torch::kHalf);
+  const auto xs = xf.to(at::kHalf);
   const auto* xp = reinterpret_cast<const XElem*>(xs.data_ptr<at::Half>());
 #else
   const XElem* xp = xf.data_ptr<float>();
 #endif
-  auto out = torch::empty({m, n}, xf.options());
+  auto out = at::empty({m, n}, xf.options());
   float* y = out.data_ptr<float>();
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
   const int64_t w_stride = pairs * kPanelRow, x_stride = 2 * pairs;
@@ -221,7 +224,7 @@ torch::Tensor linear_half(torch::Tensor x, torch::Tensor packed, int64_t n) {
                                        y + r0 * n + p0 * kCols, n, n - p0 * kCols);
     }
   });
-  return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
 bool half_products() {

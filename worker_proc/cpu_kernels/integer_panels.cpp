@@ -17,7 +17,9 @@
 //   (vpsignb), so no pair passes 2 * 127 * 127; each pair sum widens to int32 at once (vpmaddwd)
 //   and a group's int32 sums take x's scale:  y[r, n] = scale[n] * sum_g dx[r, g] * (w[n, g] . q[r, g]).
 //   4 x 16 tiles ran at 130 GFLOP/s-equivalent there (the row-at-a-time kernel before: 94).
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -247,14 +249,14 @@ void run_panel(int64_t panel, int64_t m, T* y, int64_t n_out, Tile tile) {
 // y [M, n_out] = x @ W.T: x quantized once, then the panels shared among the threads (their share
 // front first, then single panels from the back of the other's: team.h), as the float32 panels do.
 template <typename T, typename Tile>
-torch::Tensor linear_panels_as(const torch::Tensor& x, int64_t panels, int64_t n_out, Tile tile) {
+at::Tensor linear_panels_as(const at::Tensor& x, int64_t panels, int64_t n_out, Tile tile) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
-  auto codes = torch::empty({m, k}, x.options().dtype(torch::kInt8));
-  auto scales = torch::empty({2, m, groups}, x.options().dtype(torch::kFloat32));
+  auto codes = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto scales = at::empty({2, m, groups}, x.options().dtype(at::kFloat));
   const Int8Groups qx{codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(), k, groups,
                       m, m >= kStripRows};
   quantize_rows(x.data_ptr<T>(), m, qx);
-  auto out = torch::empty({m, n_out}, x.options());
+  auto out = at::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
   const auto panel_rows = [&](int64_t p) {
     run_panel(p, m, y, n_out, [&](auto r_const, int64_t row0, T* yr, int64_t cols) { tile(r_const, qx, p, row0, yr, n_out, cols); });
@@ -279,7 +281,7 @@ torch::Tensor linear_panels_as(const torch::Tensor& x, int64_t panels, int64_t n
 }
 
 template <typename T>
-torch::Tensor linear_int4_panels_as(const torch::Tensor& x, const Int4Panels& w, int64_t panels, int64_t n_out) {
+at::Tensor linear_int4_panels_as(const at::Tensor& x, const Int4Panels& w, int64_t panels, int64_t n_out) {
   return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
                                                    int64_t ldy, int64_t cols) {
     int4_tile<decltype(r_const)::value>(w, p, qx, row0, y, ldy, cols);
@@ -287,7 +289,7 @@ torch::Tensor linear_int4_panels_as(const torch::Tensor& x, const Int4Panels& w,
 }
 
 template <typename T>
-torch::Tensor linear_int8_panels_as(const torch::Tensor& x, const int8_t* w, int64_t panels, const float* scale,
+at::Tensor linear_int8_panels_as(const at::Tensor& x, const int8_t* w, int64_t panels, const float* scale,
                                     int64_t n_out) {
   const int64_t groups = x.size(1) / kGroup;
   return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
@@ -310,16 +312,16 @@ bool integer_panels() {
 
 // uint8 [N, K/2] in GGUF Q4 order (linear_int4's layout) with float16 scale / min [N, K/32] ->
 // the panels: [ceil(N/16), K/32] groups of kPanelGroupBytes (features past N: zero codes and scales).
-torch::Tensor pack_int4_panels(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8, "pack_int4_panels: uint8 [N, K/2] codes");
+at::Tensor pack_int4_panels(at::Tensor w, at::Tensor scale, at::Tensor minimum) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte, "pack_int4_panels: uint8 [N, K/2] codes");
   const int64_t n = w.size(0), k = 2 * w.size(1), groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0 && scale.numel() == n * groups && minimum.numel() == n * groups &&
-                  scale.scalar_type() == torch::kHalf && minimum.scalar_type() == torch::kHalf,
+                  scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf,
               "pack_int4_panels: K a multiple of 32, float16 scale / min [N, K/32]");
   const auto wc = w.contiguous();
-  const auto s = scale.contiguous().to(torch::kFloat32), mn = minimum.contiguous().to(torch::kFloat32);
+  const auto s = scale.contiguous().to(at::kFloat), mn = minimum.contiguous().to(at::kFloat);
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
-  auto packed = torch::zeros({panels, groups, kPanelGroupBytes}, w.options());
+  auto packed = at::zeros({panels, groups, kPanelGroupBytes}, w.options());
   const uint8_t* src = wc.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   const float* mp = mn.data_ptr<float>();
@@ -347,15 +349,15 @@ torch::Tensor pack_int4_panels(torch::Tensor w, torch::Tensor scale, torch::Tens
   return packed;
 }
 
-torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor panels, int64_t n_out) {
+at::Tensor linear_int4_panels(at::Tensor x, at::Tensor panels, int64_t n_out) {
 #if defined(LOOM_INTEGER_PANELS)
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanelGroupBytes &&
                   panels.size(0) * kPanelCols >= n_out && x.size(1) == panels.size(1) * kGroup,
               "linear_int4_panels: x [M, K] and panels from pack_int4_panels of K / 32 groups");
   const auto xc = x.contiguous();
   const Int4Panels w{panels.data_ptr<uint8_t>(), panels.size(1)};
-  if (xc.scalar_type() == torch::kFloat32) return linear_int4_panels_as<float>(xc, w, panels.size(0), n_out);
-  TORCH_CHECK(xc.scalar_type() == torch::kBFloat16, "linear_int4_panels: float32 or bfloat16 x");
+  if (xc.scalar_type() == at::kFloat) return linear_int4_panels_as<float>(xc, w, panels.size(0), n_out);
+  TORCH_CHECK(xc.scalar_type() == at::kBFloat16, "linear_int4_panels: float32 or bfloat16 x");
   return linear_int4_panels_as<c10::BFloat16>(xc, w, panels.size(0), n_out);
 #else
   TORCH_CHECK(false, "linear_int4_panels needs AVX2 (see integer_panels())");
@@ -364,11 +366,11 @@ torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor panels, int64_t 
 
 // int8 [N, K] (K a multiple of 32) -> [ceil(N/16), K/32, 512]: panel p, group g, step s, vector v,
 // lane l, byte j = W[16 p + 8 v + l, 32 g + 4 s + j] (features past N: zero codes).
-torch::Tensor pack_int8_panels(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.size(1) % kGroup == 0,
+at::Tensor pack_int8_panels(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) % kGroup == 0,
               "pack_int8_panels: int8 [N, K] with K a multiple of 32");
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanelCols - 1) / kPanelCols;
-  auto padded = torch::zeros({panels * kPanelCols, k}, w.options());
+  auto padded = at::zeros({panels * kPanelCols, k}, w.options());
   padded.narrow(0, 0, n).copy_(w);
   // [p, v, l, g, s, j] -> [p, g, s, v, l, j]
   return padded.view({panels, 2, 8, k / kGroup, 8, 4}).permute({0, 3, 4, 1, 2, 5}).contiguous()
@@ -376,24 +378,24 @@ torch::Tensor pack_int8_panels(torch::Tensor w) {
 }
 
 // The [N, K] codes of pack_int8_panels' layout (n features).
-torch::Tensor unpack_int8_panels(torch::Tensor panels, int64_t n) {
+at::Tensor unpack_int8_panels(at::Tensor panels, int64_t n) {
   const int64_t count = panels.size(0), groups = panels.size(1);
   return panels.view({count, groups, 8, 2, 8, 4}).permute({0, 3, 4, 1, 2, 5}).reshape({count * kPanelCols, groups * kGroup})
       .narrow(0, 0, n);
 }
 
-torch::Tensor linear_int8_panels(torch::Tensor x, torch::Tensor panels, torch::Tensor scale) {
+at::Tensor linear_int8_panels(at::Tensor x, at::Tensor panels, at::Tensor scale) {
 #if defined(LOOM_INTEGER_PANELS)
   const int64_t n_out = scale.numel();
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.scalar_type() == torch::kInt8 &&
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.scalar_type() == at::kChar &&
                   panels.size(2) == kInt8GroupBytes && panels.size(0) * kPanelCols >= n_out &&
-                  x.size(1) == panels.size(1) * kGroup && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(),
+                  x.size(1) == panels.size(1) * kGroup && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               "linear_int8_panels: x [M, K], panels from pack_int8_panels of K / 32 groups, float32 scale [N]");
   const auto xc = x.contiguous();
   const int8_t* w = panels.data_ptr<int8_t>();
-  if (xc.scalar_type() == torch::kFloat32)
+  if (xc.scalar_type() == at::kFloat)
     return linear_int8_panels_as<float>(xc, w, panels.size(0), scale.data_ptr<float>(), n_out);
-  TORCH_CHECK(xc.scalar_type() == torch::kBFloat16, "linear_int8_panels: float32 or bfloat16 x");
+  TORCH_CHECK(xc.scalar_type() == at::kBFloat16, "linear_int8_panels: float32 or bfloat16 x");
   return linear_int8_panels_as<c10::BFloat16>(xc, w, panels.size(0), scale.data_ptr<float>(), n_out);
 #else
   TORCH_CHECK(false, "linear_int8_panels needs AVX2 (see integer_panels())");

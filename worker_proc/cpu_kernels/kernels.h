@@ -1,8 +1,10 @@
 // The kernels' entry points, each defined in its own file: what bindings.cpp exposes to Python
 // and what layer_stack.cpp calls directly. Only the two files that bind to Python include
-// pybind11 and torch's Python headers (the heaviest part of the build).
+// pybind11 and torch's Python headers (the heaviest part of the build); the others take ATen's
+// Tensor and the few operators they call (ATen/ops/*.h), not all of torch (torch/types.h): on 2
+// cores the build takes ~70 s instead of ~110.
 #pragma once
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,36 +21,36 @@ inline int64_t row_tile_at(int64_t r, int64_t m, int64_t tile, int64_t short_max
 }
 }  // namespace loom
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
-                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
+at::Tensor paged_attention(at::Tensor q, at::Tensor kv, at::Tensor req_to_token, at::Tensor req_idx,
+                              at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens,
                               double scale);
 // paged_attention in two parts: what all layers of a step share (planned from the shape of q
 // [num_tokens, num_heads, D]), then one layer's attention. q may be a view with a row stride
 // (of fused qkv rows).
 struct PagedAttentionPlan;
 std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
-    int64_t num_tokens, int64_t num_heads, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
-    torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale);
-torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor q, torch::Tensor kv);
+    int64_t num_tokens, int64_t num_heads, at::Tensor kv, at::Tensor req_to_token, at::Tensor req_idx,
+    at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens, double scale);
+at::Tensor run_paged_attention(const PagedAttentionPlan& plan, at::Tensor q, at::Tensor kv);
 // Writes row r of k and v [T, KVH, D] (views with contiguous rows, e.g. of fused qkv) to pool slot
 // out_cache_loc[r] of kv [S, 2, KVH, D].
-void store_kv(torch::Tensor kv, torch::Tensor out_cache_loc, torch::Tensor k, torch::Tensor v);
+void store_kv(at::Tensor kv, at::Tensor out_cache_loc, at::Tensor k, at::Tensor v);
 // packed: pack_dense_f32(w) (or empty / none: the kernel packs what it needs per call).
-torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> packed = std::nullopt);
-torch::Tensor pack_dense_f32(torch::Tensor w);
+at::Tensor linear_dense(at::Tensor x, at::Tensor w, std::optional<at::Tensor> packed = std::nullopt);
+at::Tensor pack_dense_f32(at::Tensor w);
 // bfloat16 on AMX tiles, or vdpbf16ps without them (amx_linear.cpp): pack_dense_bf16 lays W [N, K]
 // out for linear_packed_bf16 (empty where the build has neither, or N or K is not a multiple of 32);
 // gated: W is an MLP's [gate; up] and linear_packed_bf16 returns silu(gate) * up. packed_bf16_rows:
 // the rows of x up to which the packed kernel is used (every count where it builds; 0: no packing).
 bool amx_bf16();
 int64_t packed_bf16_rows();
-torch::Tensor pack_dense_bf16(torch::Tensor w, bool gated = false);
-torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor packed);
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
-torch::Tensor pack_int8(torch::Tensor w);
+at::Tensor pack_dense_bf16(at::Tensor w, bool gated = false);
+at::Tensor linear_packed_bf16(at::Tensor x, at::Tensor packed);
+at::Tensor linear_int8(at::Tensor x, at::Tensor w, at::Tensor scale);
+at::Tensor pack_int8(at::Tensor w);
 // linear_int4: panels (pack_int4_panels of the same weights) take every x of more than one row.
-torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum,
-                          std::optional<torch::Tensor> panels = std::nullopt);
+at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
+                          std::optional<at::Tensor> panels = std::nullopt);
 bool quantized_int8_activations(at::ScalarType dtype);
 // int4 and int8 linears of any row count (integer_panels.cpp): the weights in panels of 16 output
 // features, x quantized to int8 per group of 32. pack_int4_panels lays linear_int4's codes, scales
@@ -56,27 +58,27 @@ bool quantized_int8_activations(at::ScalarType dtype);
 // out (pack_int8 on these builds), linear_int8_panels(x, panels, scale) = x @ (W * scale).T.
 // integer_panels(): whether this build has them (AVX2 builds without AVX512-VNNI).
 bool integer_panels();
-torch::Tensor pack_int4_panels(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum);
-torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor panels, int64_t n);
-torch::Tensor pack_int8_panels(torch::Tensor w);
-torch::Tensor unpack_int8_panels(torch::Tensor panels, int64_t n);
-torch::Tensor linear_int8_panels(torch::Tensor x, torch::Tensor panels, torch::Tensor scale);
+at::Tensor pack_int4_panels(at::Tensor w, at::Tensor scale, at::Tensor minimum);
+at::Tensor linear_int4_panels(at::Tensor x, at::Tensor panels, int64_t n);
+at::Tensor pack_int8_panels(at::Tensor w);
+at::Tensor unpack_int8_panels(at::Tensor panels, int64_t n);
+at::Tensor linear_int8_panels(at::Tensor x, at::Tensor panels, at::Tensor scale);
 // float16 weights (--quantization fp16): pack_half lays W [N, K] out for linear_half, which
 // returns x @ W.T [M, n] in x's dtype.
-torch::Tensor pack_half(torch::Tensor w);
-torch::Tensor linear_half(torch::Tensor x, torch::Tensor packed, int64_t n);
+at::Tensor pack_half(at::Tensor w);
+at::Tensor linear_half(at::Tensor x, at::Tensor packed, int64_t n);
 bool half_products();
 bool dense_bf16_dot();
 int64_t dense_f32_rows();
-torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype);
-torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor x);
-void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+at::Tensor dequantize_int8(at::Tensor w, at::Tensor scale, at::ScalarType dtype);
+at::Tensor dequantize_int4(at::Tensor w, at::Tensor scale, at::Tensor minimum, at::ScalarType dtype);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor silu_mul(at::Tensor x);
+void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t heads,
            int64_t head_dim);
 
-torch::Tensor argmax_rows(torch::Tensor x);
+at::Tensor argmax_rows(at::Tensor x);
 
 // Team forms (team.h), for the layer stack's one parallel region a step: every thread of the
 // region calls one with the same arguments; each ends at the team's barrier, except the linears,
@@ -85,10 +87,10 @@ torch::Tensor argmax_rows(torch::Tensor x);
 namespace loom {
 class BlockClaims;
 }
-int64_t packed_bf16_cols(const torch::Tensor& packed);  // y's columns of pack_dense_bf16's weights
+int64_t packed_bf16_cols(const at::Tensor& packed);  // y's columns of pack_dense_bf16's weights
 // y [m, packed_bf16_cols] = x [m, K] @ W.T (silu(gate) * up where gated); claims reset to the
 // packed blocks (packed.size(0)) before the region. Ends without a barrier: the caller's.
-void linear_packed_bf16_team(const at::BFloat16* x, int64_t m, const torch::Tensor& packed, at::BFloat16* y,
+void linear_packed_bf16_team(const at::BFloat16* x, int64_t m, const at::Tensor& packed, at::BFloat16* y,
                              loom::BlockClaims& claims);
 // One row of x without AMX (linear_dense's path there): y [n] = x [K] @ W.T, W [n, K] unpacked;
 // gated: W = an MLP's [gate; up] [2 inter, K] and y [inter] = silu(gate) * up (inter a multiple of 16)

@@ -9,6 +9,9 @@
 
 #include <pybind11/functional.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <functional>
@@ -26,21 +29,21 @@ namespace {
 // [packed, out_features] float16, [q, scale] int8, [q, scale, min] or [q, scale, min, panels]
 // int4; plus an optional bias.
 struct LinearWeights {
-  std::vector<torch::Tensor> tensors;
-  std::optional<torch::Tensor> bias;
+  std::vector<at::Tensor> tensors;
+  std::optional<at::Tensor> bias;
   int64_t half_out = 0;  // float16: output features
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y;
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
     if (half_out)
       y = linear_half(x, tensors[0], half_out);
     else if (tensors[0].is_floating_point())
-      y = linear_dense(x, tensors[0], tensors.size() > 1 ? std::optional<torch::Tensor>(tensors[1]) : std::nullopt);
+      y = linear_dense(x, tensors[0], tensors.size() > 1 ? std::optional<at::Tensor>(tensors[1]) : std::nullopt);
     else if (tensors.size() == 2)
       y = linear_int8(x, tensors[0], tensors[1]);
     else
       y = linear_int4(x, tensors[0], tensors[1], tensors[2],
-                      tensors.size() > 3 ? std::optional<torch::Tensor>(tensors[3]) : std::nullopt);
+                      tensors.size() > 3 ? std::optional<at::Tensor>(tensors[3]) : std::nullopt);
     if (bias) y.add_(*bias);
     return y;
   }
@@ -50,43 +53,43 @@ struct LinearWeights {
 
   // bfloat16 weights packed for linear_packed_bf16, no bias: what the one-region step takes
   bool packed_bf16() const {
-    return !half_out && !bias && tensors.size() == 2 && tensors[0].scalar_type() == torch::kBFloat16 &&
-           tensors[1].numel() > 0 && tensors[1].scalar_type() == torch::kBFloat16;
+    return !half_out && !bias && tensors.size() == 2 && tensors[0].scalar_type() == at::kBFloat16 &&
+           tensors[1].numel() > 0 && tensors[1].scalar_type() == at::kBFloat16;
   }
-  const torch::Tensor& packed() const { return tensors[1]; }
+  const at::Tensor& packed() const { return tensors[1]; }
 };
 
-using LinearSpec = std::tuple<std::vector<torch::Tensor>, std::optional<torch::Tensor>>;
+using LinearSpec = std::tuple<std::vector<at::Tensor>, std::optional<at::Tensor>>;
 
 LinearWeights from_spec(const LinearSpec& spec) {
   const auto& [tensors, bias] = spec;
   TORCH_CHECK(!tensors.empty() && tensors.size() <= 4,
               "a linear is [w], [w, packed], [packed, out_features], [q, scale] or [q, scale, min(, panels)]");
-  const bool half = tensors[0].scalar_type() == torch::kHalf && tensors[0].dim() == 4;
+  const bool half = tensors[0].scalar_type() == at::kHalf && tensors[0].dim() == 4;
   return {tensors, bias, half ? tensors.at(1).item<int64_t>() : 0};
 }
 
 struct Layer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   LinearWeights qkv, o, gate_up, down;
 };
 
 // Attention for the tokens in logit_rows alone: each one a row of one token (a decode's shape)
 // that sees its request's slots up to its own position; q rows in logit_rows' order.
 std::shared_ptr<const PagedAttentionPlan> plan_logit_rows(int64_t num_tokens, int64_t num_heads,
-                                                          const torch::Tensor& logit_rows, const torch::Tensor& kv,
-                                                          const torch::Tensor& req_to_token, const torch::Tensor& req_idx,
-                                                          const torch::Tensor& token_starts,
-                                                          const torch::Tensor& extend_lens,
-                                                          const torch::Tensor& seq_lens, double scale) {
-  const auto as_i64 = [](const torch::Tensor& v) { return v.to(torch::kInt64).contiguous(); };
-  const torch::Tensor reqs = as_i64(req_idx), starts = as_i64(token_starts), lens = as_i64(extend_lens),
+                                                          const at::Tensor& logit_rows, const at::Tensor& kv,
+                                                          const at::Tensor& req_to_token, const at::Tensor& req_idx,
+                                                          const at::Tensor& token_starts,
+                                                          const at::Tensor& extend_lens,
+                                                          const at::Tensor& seq_lens, double scale) {
+  const auto as_i64 = [](const at::Tensor& v) { return v.to(at::kLong).contiguous(); };
+  const at::Tensor reqs = as_i64(req_idx), starts = as_i64(token_starts), lens = as_i64(extend_lens),
                       seqs = as_i64(seq_lens), tokens = as_i64(logit_rows);
   std::vector<int64_t> row_of_token(num_tokens, -1);
   for (int64_t r = 0; r < reqs.numel(); ++r)
     for (int64_t j = 0; j < lens.data_ptr<int64_t>()[r]; ++j) row_of_token.at(starts.data_ptr<int64_t>()[r] + j) = r;
   const int64_t n = tokens.numel();
-  torch::Tensor sub_reqs = torch::empty({n}, torch::kInt64), sub_seqs = torch::empty({n}, torch::kInt64);
+  at::Tensor sub_reqs = at::empty({n}, at::kLong), sub_seqs = at::empty({n}, at::kLong);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t token = tokens.data_ptr<int64_t>()[i], r = row_of_token.at(token);
     TORCH_CHECK(r >= 0, "a logit row outside every request's tokens");
@@ -95,8 +98,8 @@ std::shared_ptr<const PagedAttentionPlan> plan_logit_rows(int64_t num_tokens, in
     sub_seqs.data_ptr<int64_t>()[i] =
         seqs.data_ptr<int64_t>()[r] - lens.data_ptr<int64_t>()[r] + token - starts.data_ptr<int64_t>()[r] + 1;
   }
-  return plan_paged_attention(n, num_heads, kv, req_to_token, sub_reqs, torch::arange(n),
-                              torch::ones({n}, torch::kInt64), sub_seqs, scale);
+  return plan_paged_attention(n, num_heads, kv, req_to_token, sub_reqs, at::arange(n),
+                              at::ones({n}, at::kLong), sub_seqs, scale);
 }
 
 }  // namespace
@@ -106,7 +109,7 @@ class LayerStack {
   LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {}
 
-  void set_head(torch::Tensor embedding, torch::Tensor final_norm, const LinearSpec& lm_head) {
+  void set_head(at::Tensor embedding, at::Tensor final_norm, const LinearSpec& lm_head) {
     embedding_ = embedding;
     final_norm_ = final_norm;
     lm_head_ = from_spec(lm_head);
@@ -115,28 +118,28 @@ class LayerStack {
   // One tensor-parallel rank's shard: its embedding rows are vocabulary ids [vocab_start,
   // vocab_start + vocab_rows), and all_reduce sums a tensor over the ranks in place (the
   // embedding lookup, o_proj's and down_proj's partial sums). The logits stay this rank's rows.
-  void set_tensor_parallel(int64_t vocab_start, int64_t vocab_rows, std::function<void(torch::Tensor)> all_reduce) {
+  void set_tensor_parallel(int64_t vocab_start, int64_t vocab_rows, std::function<void(at::Tensor)> all_reduce) {
     vocab_start_ = vocab_start;
     vocab_rows_ = vocab_rows;
     all_reduce_ = std::move(all_reduce);
   }
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
                  const LinearSpec& gate_up, const LinearSpec& down) {
     layers_.push_back({input_norm, post_norm, from_spec(qkv), from_spec(o), from_spec(gate_up), from_spec(down)});
   }
 
   // Logits (the model dtype) of the token rows in logit_rows. Writes each layer's K/V to its pool
   // tensor at out_cache_loc and attends as worker_proc/attention.py's PagedKernelAttention.
-  torch::Tensor forward(torch::Tensor input_ids, torch::Tensor logit_rows, torch::Tensor positions,
-                        torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& kv,
-                        torch::Tensor out_cache_loc, torch::Tensor req_to_token, torch::Tensor req_idx,
-                        torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
+  at::Tensor forward(at::Tensor input_ids, at::Tensor logit_rows, at::Tensor positions,
+                        at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& kv,
+                        at::Tensor out_cache_loc, at::Tensor req_to_token, at::Tensor req_idx,
+                        at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens, double scale) {
     TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
     TORCH_CHECK(embedding_.defined(), "set_head first");
-    torch::Tensor x = embed(input_ids);
+    at::Tensor x = embed(input_ids);
     const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    torch::Tensor residual;
+    at::Tensor residual;
     const auto attention = plan_paged_attention(t, num_heads_, kv[0], req_to_token, req_idx, token_starts, extend_lens,
                                                 seq_lens, scale);
     // Of the last layer, rows without logits (prompt tokens before a chunk's last) need only the
@@ -155,14 +158,14 @@ class LayerStack {
     }
     for (size_t i = first; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      torch::Tensor h;
+      at::Tensor h;
       if (i == 0) {
         residual = x;
         h = rms_norm(x, layer.input_norm, eps_);
       } else {
         h = add_rms_norm(x, residual, layer.input_norm, eps_);
       }
-      torch::Tensor qkv = layer.qkv(h);
+      at::Tensor qkv = layer.qkv(h);
       rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
       store_kv(kv[i], out_cache_loc, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size));
       int64_t rows = t;
@@ -172,7 +175,7 @@ class LayerStack {
         residual = residual.index_select(0, logit_rows);
         rows = n_logits;
       }
-      torch::Tensor attn = run_paged_attention(last ? *last_attention : *attention,
+      at::Tensor attn = run_paged_attention(last ? *last_attention : *attention,
                                                qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_}), kv[i]);
       h = add_rms_norm(reduced(layer.o(attn.view({rows, q_size}))), residual, layer.post_norm, eps_);
       x = reduced(layer.down(layer.gate_up.gated() ? layer.gate_up(h) : silu_mul(layer.gate_up(h))));
@@ -189,22 +192,22 @@ class LayerStack {
  private:
   // One parallel region for the layers of a step (team.h) where every op has a team form:
   // bfloat16 weights all packed (the MLP's gated), bfloat16 pools, one process.
-  bool runs_in_one_region(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
-                          const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
-                          const torch::Tensor& out_cache_loc) const {
+  bool runs_in_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                          const at::Tensor& sin, const std::vector<at::Tensor>& kv,
+                          const at::Tensor& out_cache_loc) const {
 #if defined(__AVX512BF16__)
-    if (all_reduce_ || x.size(0) == 0 || x.scalar_type() != torch::kBFloat16 || x.size(1) % 16 || head_dim_ % 32 ||
-        !positions.is_contiguous() || positions.scalar_type() != torch::kInt64 || cos.scalar_type() != torch::kFloat32 ||
-        sin.scalar_type() != torch::kFloat32 || !cos.is_contiguous() || !sin.is_contiguous() ||
+    if (all_reduce_ || x.size(0) == 0 || x.scalar_type() != at::kBFloat16 || x.size(1) % 16 || head_dim_ % 32 ||
+        !positions.is_contiguous() || positions.scalar_type() != at::kLong || cos.scalar_type() != at::kFloat ||
+        sin.scalar_type() != at::kFloat || !cos.is_contiguous() || !sin.is_contiguous() ||
         cos.size(1) != head_dim_ || sin.size(1) != head_dim_ || !out_cache_loc.is_contiguous())
       return false;
     for (const Layer& layer : layers_)
       if (!layer.qkv.packed_bf16() || !layer.o.packed_bf16() || !layer.gate_up.packed_bf16() || !layer.gate_up.gated() ||
-          !layer.down.packed_bf16() || layer.input_norm.scalar_type() != torch::kBFloat16 ||
-          layer.post_norm.scalar_type() != torch::kBFloat16)
+          !layer.down.packed_bf16() || layer.input_norm.scalar_type() != at::kBFloat16 ||
+          layer.post_norm.scalar_type() != at::kBFloat16)
         return false;
-    for (const torch::Tensor& pool : kv)
-      if (pool.scalar_type() != torch::kBFloat16 || !pool.is_contiguous() || pool.sizes() != kv[0].sizes()) return false;
+    for (const at::Tensor& pool : kv)
+      if (pool.scalar_type() != at::kBFloat16 || !pool.is_contiguous() || pool.sizes() != kv[0].sizes()) return false;
     return true;
 #else
     return false;
@@ -213,20 +216,20 @@ class LayerStack {
 
   // Layers [0, count) of a step, each op's team form parted by barriers; leaves x and residual
   // as the op-by-op loop does.
-  void run_in_one_region(size_t count, torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& positions,
-                         const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
-                         const torch::Tensor& out_cache_loc, const PagedAttentionPlan& attention) {
+  void run_in_one_region(size_t count, at::Tensor& x, at::Tensor& residual, const at::Tensor& positions,
+                         const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv,
+                         const at::Tensor& out_cache_loc, const PagedAttentionPlan& attention) {
 #if defined(__AVX512BF16__)
     if (count == 0) return;
     ++one_region_steps;
     using bf16 = at::BFloat16;
     const int64_t t = x.size(0), hidden = x.size(1), q_size = num_heads_ * head_dim_;
     const int64_t qkv_cols = packed_bf16_cols(layers_[0].qkv.packed()), inter = packed_bf16_cols(layers_[0].gate_up.packed());
-    const auto empty = [&](int64_t cols) { return torch::empty({t, cols}, x.options()); };
+    const auto empty = [&](int64_t cols) { return at::empty({t, cols}, x.options()); };
     residual = x;
-    torch::Tensor h = empty(hidden), qkv = empty(qkv_cols), attn = empty(q_size), proj = empty(hidden), mid = empty(inter);
+    at::Tensor h = empty(hidden), qkv = empty(qkv_cols), attn = empty(q_size), proj = empty(hidden), mid = empty(inter);
     const std::unique_ptr<float[]> partials(new float[paged_attention_partial_floats(attention)]);
-    const torch::Tensor slots = out_cache_loc.to(torch::kInt64).contiguous();
+    const at::Tensor slots = out_cache_loc.to(at::kLong).contiguous();
     TORCH_CHECK(slots.numel() == t, "out_cache_loc: one pool slot per row expected");
     for (int64_t r = 0; r < t; ++r)
       TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < kv[0].size(0),
@@ -249,7 +252,7 @@ class LayerStack {
     // (one row without AMX streams the unpacked weights, as linear_dense does: faster there)
     const bool one_row = t == 1 && !amx_bf16();
     const auto linear = [&](const LinearWeights& weights, const bf16* in, bf16* out, loom::BlockClaims& claims) {
-      const torch::Tensor& w = weights.tensors[0];
+      const at::Tensor& w = weights.tensors[0];
       if (!one_row)
         linear_packed_bf16_team(in, t, weights.packed(), out, claims);
       else if (weights.gated())
@@ -279,25 +282,25 @@ class LayerStack {
 #endif
   }
 
-  torch::Tensor reduced(torch::Tensor t) const {
+  at::Tensor reduced(at::Tensor t) const {
     if (all_reduce_) all_reduce_(t);
     return t;
   }
 
-  torch::Tensor embed(const torch::Tensor& ids) const {
+  at::Tensor embed(const at::Tensor& ids) const {
     if (!all_reduce_) return embedding_.index_select(0, ids);
-    const torch::Tensor local = ids - vocab_start_;
-    const torch::Tensor outside = local.lt(0).logical_or(local.ge(vocab_rows_));
-    torch::Tensor x = embedding_.index_select(0, local.masked_fill(outside, 0));
+    const at::Tensor local = ids.sub(vocab_start_);
+    const at::Tensor outside = local.lt(0).logical_or(local.ge(vocab_rows_));
+    at::Tensor x = embedding_.index_select(0, local.masked_fill(outside, 0));
     return reduced(x.masked_fill_(outside.unsqueeze(1), 0));
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   int64_t vocab_start_ = 0, vocab_rows_ = 0;
-  std::function<void(torch::Tensor)> all_reduce_;
+  std::function<void(at::Tensor)> all_reduce_;
   double eps_;
   std::vector<Layer> layers_;
-  torch::Tensor embedding_, final_norm_;
+  at::Tensor embedding_, final_norm_;
   LinearWeights lm_head_;
 };
 

@@ -10,7 +10,8 @@
 // time (no horizontal sum per token), then a float32 softmax, then probabilities times V with the
 // accumulators in registers (GCC vector types). AVX2 builds run prompts flash-attention style
 // (attend_prompt_avx2) and decodes in blocks (attend_decode_avx2).
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -1499,7 +1500,7 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
 // What every layer's attention of one step shares: the rows' lengths as int64, the problem and
 // the task list. A layer stack plans once per step and runs it against each layer's pool.
 struct PagedAttentionPlan {
-  torch::Tensor req_idx, token_starts, extend_lens, seq_lens;  // int64, kept alive for `problem`
+  at::Tensor req_idx, token_starts, extend_lens, seq_lens;  // int64, kept alive for `problem`
   Problem problem;
   std::vector<Task> tasks;
   std::vector<DecodeRow> decode_rows;
@@ -1511,15 +1512,15 @@ struct PagedAttentionPlan {
 // for its layout only); req_to_token [R, C] int32; per batch row (int64): req_idx, token_starts
 // (first token of the row in q), extend_lens, seq_lens (cached tokens including this step's).
 std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
-    int64_t num_tokens, int64_t num_heads, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
-    torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens, double scale) {
+    int64_t num_tokens, int64_t num_heads, at::Tensor kv, at::Tensor req_to_token, at::Tensor req_idx,
+    at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(req_to_token.is_contiguous(), "contiguous req_to_token expected");
   TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2, "kv [S,2,KVH,D] expected");
-  TORCH_CHECK(req_to_token.scalar_type() == torch::kInt32, "req_to_token must be int32");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt, "req_to_token must be int32");
   const int64_t D = kv.size(3), num_kv_heads = kv.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
   auto plan = std::make_shared<PagedAttentionPlan>();
-  auto as_i64 = [](const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); };
+  auto as_i64 = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
   plan->req_idx = as_i64(req_idx);
   plan->token_starts = as_i64(token_starts);
   plan->extend_lens = as_i64(extend_lens);
@@ -1544,7 +1545,7 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   // bfloat16 pools with bf16 products (AMX tiles or vdpbf16ps; a bf16 q, as the model's dtype):
   // larger tasks share each key block's conversion across their row tiles (attend splits them
   // back where q is float32)
-  if (kv.scalar_type() == torch::kBFloat16 && (D == 64 || D == 128) && group <= kMaxTileRows)
+  if (kv.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && group <= kMaxTileRows)
     tile_tokens = kBf16TaskTokens;
 #endif
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
@@ -1588,7 +1589,7 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
 }
 
 // Returns [N, H, D]: the attention of the planned rows over one layer's pool kv.
-torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor q, torch::Tensor kv) {
+at::Tensor run_paged_attention(const PagedAttentionPlan& plan, at::Tensor q, at::Tensor kv) {
   TORCH_CHECK(kv.is_contiguous(), "contiguous kv expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows [H, D] must be contiguous");
   TORCH_CHECK(q.size(0) == plan.num_tokens && q.size(1) == plan.problem.num_heads &&
@@ -1597,7 +1598,7 @@ torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor 
   TORCH_CHECK(kv.dim() == 4 && kv.stride(0) == plan.problem.kv_slot_stride && kv.size(2) == plan.problem.num_kv_heads &&
                   kv.scalar_type() == plan.dtype,
               "kv differs from the planned layout or dtype");
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t D = plan.head_dim;
   Problem problem = plan.problem;
   problem.q_row_stride = q.stride(0);
@@ -1609,18 +1610,18 @@ torch::Tensor run_paged_attention(const PagedAttentionPlan& plan, torch::Tensor 
     attend<T, KV>(problem, plan.tasks, plan.decode_rows, D, q.data_ptr<T>(), kv.data_ptr<KV>(), out.data_ptr<T>());
   };
   const auto kv_type = kv.scalar_type();
-  if (q.scalar_type() == torch::kFloat32 && kv_type == torch::kFloat32) run(float{}, float{});
-  else if (q.scalar_type() == torch::kFloat32 && kv_type == torch::kBFloat16) run(float{}, c10::BFloat16{});
-  else if (q.scalar_type() == torch::kFloat32 && kv_type == torch::kHalf) run(float{}, c10::Half{});
-  else if (q.scalar_type() == torch::kBFloat16 && kv_type == torch::kBFloat16) run(c10::BFloat16{}, c10::BFloat16{});
-  else if (q.scalar_type() == torch::kBFloat16 && kv_type == torch::kHalf) run(c10::BFloat16{}, c10::Half{});
+  if (q.scalar_type() == at::kFloat && kv_type == at::kFloat) run(float{}, float{});
+  else if (q.scalar_type() == at::kFloat && kv_type == at::kBFloat16) run(float{}, c10::BFloat16{});
+  else if (q.scalar_type() == at::kFloat && kv_type == at::kHalf) run(float{}, c10::Half{});
+  else if (q.scalar_type() == at::kBFloat16 && kv_type == at::kBFloat16) run(c10::BFloat16{}, c10::BFloat16{});
+  else if (q.scalar_type() == at::kBFloat16 && kv_type == at::kHalf) run(c10::BFloat16{}, c10::Half{});
   else TORCH_CHECK(false, "paged_attention: q float32 with a float32, bfloat16 or float16 pool, or q bfloat16 with a "
                           "bfloat16 or float16 pool");
   return out;
 }
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor req_to_token, torch::Tensor req_idx,
-                              torch::Tensor token_starts, torch::Tensor extend_lens, torch::Tensor seq_lens,
+at::Tensor paged_attention(at::Tensor q, at::Tensor kv, at::Tensor req_to_token, at::Tensor req_idx,
+                              at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens,
                               double scale) {
   TORCH_CHECK(q.dim() == 3, "q [N,H,D] expected");
   const auto plan = plan_paged_attention(q.size(0), q.size(1), kv, req_to_token, req_idx, token_starts, extend_lens,

@@ -12,7 +12,10 @@
 // One SIMD layer (AVX-512, AVX2 or scalar, whichever the compiler targets) keeps one kernel.
 // AVX2 and AVX-512 builds also take float32 linears of 5 to kDenseF32Rows rows (linear_f32_rows:
 // blocked dot products, then packed panels), where torch's GEMM is slow with few rows.
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -102,7 +105,7 @@ constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
 #define LOOM_VNNI 1
 constexpr int64_t kInt8Block = 16;  // output rows interleaved by pack_int8
 constexpr int64_t kInt8Step = 64;   // inputs per row per step of a block
-constexpr auto kPackedInt8 = torch::kUInt8;  // codes + 128: vpdpbusd's unsigned side
+constexpr auto kPackedInt8 = at::kByte;  // codes + 128: vpdpbusd's unsigned side
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LOOM_AVX2_INT 1  // (int8 weights: integer_panels.cpp)
 #endif
@@ -255,7 +258,7 @@ inline void rows_block(const Rows& rows, int64_t n0, const float* xf, const floa
 }
 
 template <typename T, typename Rows>
-void run(const torch::Tensor& x, const Rows& rows, int64_t n_out, torch::Tensor& out) {
+void run(const at::Tensor& x, const Rows& rows, int64_t n_out, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1);
   std::vector<float> xf(m * k);
   const T* xp = x.data_ptr<T>();
@@ -416,10 +419,10 @@ inline void int8_blocked_rows(const uint8_t* block, const float* scale, const Qu
 }
 
 template <typename T>
-torch::Tensor linear_int8_blocked_as(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
+at::Tensor linear_int8_blocked_as(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   const int64_t m = x.size(0), k = x.size(1), n_out = scale.numel(), blocks = w.size(0);
   const auto qx = quantize_x8(x.data_ptr<T>(), m, k);
-  auto out = torch::empty({m, n_out}, x.options());
+  auto out = at::empty({m, n_out}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* scales = scale.data_ptr<float>();
   T* y = out.data_ptr<T>();
@@ -430,11 +433,11 @@ torch::Tensor linear_int8_blocked_as(const torch::Tensor& x, const torch::Tensor
   return out;
 }
 
-torch::Tensor linear_int8_blocked(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& scale) {
+at::Tensor linear_int8_blocked(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale) {
   const auto x = x_in.contiguous();
-  TORCH_CHECK((x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32) && w.size(1) * 64 == x.size(1),
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && w.size(1) * 64 == x.size(1),
               "packed int8 weights take bfloat16 or float32 x with K = ", w.size(1) * 64);
-  return x.scalar_type() == torch::kFloat32 ? linear_int8_blocked_as<float>(x, w, scale)
+  return x.scalar_type() == at::kFloat ? linear_int8_blocked_as<float>(x, w, scale)
                                             : linear_int8_blocked_as<at::BFloat16>(x, w, scale);
 }
 
@@ -492,12 +495,12 @@ inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& 
 // for_row_blocks; blocks of Rows::kBlockRows) dotted with the quantized rows of x, kXBlock at a
 // time, by `block_dot_fn`.
 template <typename T, typename Rows, typename Quantize, typename Block>
-torch::Tensor vnni_linear(const torch::Tensor& x_in, const Rows& rows, int64_t n_out, Quantize quantize,
+at::Tensor vnni_linear(const at::Tensor& x_in, const Rows& rows, int64_t n_out, Quantize quantize,
                           Block block_dot_fn) {
   const auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   const auto qx = quantize(x.data_ptr<T>(), m, k);
-  auto out = torch::empty({m, n_out}, x.options());
+  auto out = at::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
   for_row_blocks<Rows::kBlockRows>(m, n_out, [&](auto r_const, int64_t n0) {
     constexpr int R = decltype(r_const)::value;
@@ -579,10 +582,10 @@ inline void int4_avx2_row(const Int4Rows& rows, int64_t n, const QuantizedX& qx,
 }
 
 template <typename T>
-torch::Tensor linear_int4_avx2(const torch::Tensor& x, const Int4Rows& rows, int64_t n_out) {
+at::Tensor linear_int4_avx2(const at::Tensor& x, const Int4Rows& rows, int64_t n_out) {
   const int64_t m = x.size(0), k = x.size(1);
   const auto qx = quantize_x(x.data_ptr<T>(), m, k);
-  auto out = torch::empty({m, n_out}, x.options());
+  auto out = at::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
@@ -645,10 +648,10 @@ inline void dense_dpbf16_rows(const uint16_t* w, int64_t n0, const uint16_t* x, 
 
 // Rows of W as for_row_blocks walks them: one at a time, batch 1 reads 30-40 GB/s, where widening
 // bf16 to float32 managed ~23.
-torch::Tensor linear_dense_dpbf16(const torch::Tensor& x_in, const torch::Tensor& w) {
+at::Tensor linear_dense_dpbf16(const at::Tensor& x_in, const at::Tensor& w) {
   auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
@@ -950,10 +953,10 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
   if (panels * kPanel < n_out) dense_f32_dots(x, w, y, m, k, n_out, panels * kPanel);
 }
 
-torch::Tensor linear_f32_rows(const torch::Tensor& x_in, const torch::Tensor& w, const float* packed) {
+at::Tensor linear_f32_rows(const at::Tensor& x_in, const at::Tensor& w, const float* packed) {
   auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* y = out.data_ptr<float>();
@@ -964,13 +967,13 @@ torch::Tensor linear_f32_rows(const torch::Tensor& x_in, const torch::Tensor& w,
 #endif
 
 template <typename Rows>
-torch::Tensor dispatch(const torch::Tensor& x_in, const Rows& rows, int64_t n_out) {
+at::Tensor dispatch(const at::Tensor& x_in, const Rows& rows, int64_t n_out) {
   auto x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  auto out = torch::empty({x.size(0), n_out}, x.options());
-  if (x.scalar_type() == torch::kFloat32) {
+  auto out = at::empty({x.size(0), n_out}, x.options());
+  if (x.scalar_type() == at::kFloat) {
     run<float>(x, rows, n_out, out);
-  } else if (x.scalar_type() == torch::kBFloat16) {
+  } else if (x.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(x, rows, n_out, out);
   } else {
     TORCH_CHECK(false, "small_m_linear: activations must be float32 or bfloat16");
@@ -980,43 +983,43 @@ torch::Tensor dispatch(const torch::Tensor& x_in, const Rows& rows, int64_t n_ou
 
 }  // namespace
 
-torch::Tensor linear_dense(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> packed) {
+at::Tensor linear_dense(at::Tensor x, at::Tensor w, std::optional<at::Tensor> packed) {
   TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1), "w must be contiguous [N, K]");
   const bool has_packed = packed.has_value() && packed->numel() > 0;
-  if (w.scalar_type() == torch::kFloat32) {
+  if (w.scalar_type() == at::kFloat) {
 #if defined(LOOM_F32_PANELS)
     if (has_packed) {
-      TORCH_CHECK(packed->is_contiguous() && packed->scalar_type() == torch::kFloat32 &&
-                      packed->sizes() == torch::IntArrayRef({w.size(0) / kPanel, w.size(1), kPanel}),
+      TORCH_CHECK(packed->is_contiguous() && packed->scalar_type() == at::kFloat &&
+                      packed->sizes() == at::IntArrayRef({w.size(0) / kPanel, w.size(1), kPanel}),
                   "packed must come from pack_dense_f32(w)");
-      TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+      TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be float32 [M, K]");
       return linear_f32_rows(x, w, packed->data_ptr<float>());
     }
-    if (x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(0) > kXBlock && x.size(1) % 8 == 0)
+    if (x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) > kXBlock && x.size(1) % 8 == 0)
       return linear_f32_rows(x, w, nullptr);
 #endif
     TORCH_CHECK(!has_packed, "packed float32 weights are not used by this build");
     return dispatch(x, DenseF32{w.data_ptr<float>(), w.size(1)}, w.size(0));
   }
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "dense weights must be float32 or bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "dense weights must be float32 or bfloat16");
 #if defined(__AVX512BF16__)
   // One row without AMX streams W faster through the unpacked kernel below (a batch-1 step on
   // AMD Zen 4: 9.7-10.4 against 11.4-12.1 ms); from two rows the packed kernel wins.
-  if (has_packed && !amx_bf16() && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16) {
+  if (has_packed && !amx_bf16() && x.size(0) == 1 && x.scalar_type() == at::kBFloat16) {
     auto y = linear_dense_dpbf16(x, w);
     return packed->dim() == 6 ? silu_mul(y) : y;  // gated: [gate; up] -> silu(gate) * up
   }
 #endif
   if (has_packed) return linear_packed_bf16(x, *packed);
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(1) % 32 == 0)
+  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 32 == 0)
     return linear_dense_dpbf16(x, w);
 #endif
   return dispatch(x, DenseBF16{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(1)}, w.size(0));
 }
 
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale must be float32 [N]");
+at::Tensor linear_int8(at::Tensor x, at::Tensor w, at::Tensor scale) {
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be float32 [N]");
 #if defined(LOOM_AVX2_INT)
   if (w.dim() == 3) return linear_int8_panels(x, w, scale);
 #endif
@@ -1028,7 +1031,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
     return linear_int8_blocked(x, w, scale);
   }
 #endif
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && w.dim() == 2 && w.size(1) == x.size(1) &&
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == x.size(1) &&
                   scale.numel() == w.size(0), "w must be int8 [N, K] (or from pack_int8), scale float32 [N]");
   const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
   return dispatch(x, rows, w.size(0));
@@ -1037,12 +1040,12 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
 // w [N, K] float32 in the panels dense_f32_panels reads ([N / 16, K, 16]: panel p, input j, row
 // r = W[16 p + r, j]; the last N % 16 rows stay with w), once at load instead of on every call.
 // Empty where the build has no float32 panels or w does not fit them (N < 16, K % 8 != 0).
-torch::Tensor pack_dense_f32(torch::Tensor w) {
+at::Tensor pack_dense_f32(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
 #if defined(LOOM_F32_PANELS)
   const int64_t n = w.size(0), k = w.size(1), panels = n / kPanel;
-  if (w.scalar_type() == torch::kFloat32 && panels > 0 && k % 8 == 0) {
-    auto out = torch::empty({panels, k, kPanel}, w.options());
+  if (w.scalar_type() == at::kFloat && panels > 0 && k % 8 == 0) {
+    auto out = at::empty({panels, k, kPanel}, w.options());
     float* dst = out.data_ptr<float>();
     at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p)
@@ -1052,7 +1055,7 @@ torch::Tensor pack_dense_f32(torch::Tensor w) {
     return out;
   }
 #endif
-  return torch::empty({0}, w.options());
+  return at::empty({0}, w.options());
 }
 
 // Rows of x up to which linear_dense beats torch's GEMM for float32 (0: only the weight-streaming
@@ -1080,7 +1083,7 @@ bool dense_bf16_dot() {
 // the fast dtype, int4 batch 1 ran at 16.7 ms a step on one core for 80 MiB of weights).
 bool quantized_int8_activations(at::ScalarType dtype) {
 #if defined(LOOM_VNNI) || defined(LOOM_AVX2_INT)
-  return dtype == torch::kBFloat16 || dtype == torch::kFloat32;
+  return dtype == at::kBFloat16 || dtype == at::kFloat;
 #else
   return false;
 #endif
@@ -1089,12 +1092,12 @@ bool quantized_int8_activations(at::ScalarType dtype) {
 // int8 [N, K] -> the layout of linear_int8's integer kernel. VNNI: blocks [ceil(N / 16), K / 64,
 // 16, 64], block b, step j, row r holding W[16 b + r, 64 j : 64 j + 64] + 128 as uint8 (vpdpbusd's
 // unsigned side; rows past N zero weights). AVX2: pack_int8_panels' [ceil(N / 16), K / 32, 512].
-torch::Tensor pack_int8(torch::Tensor w) {
+at::Tensor pack_int8(at::Tensor w) {
 #if defined(LOOM_VNNI)
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.size(1) % kInt8Step == 0,
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) % kInt8Step == 0,
               "pack_int8: int8 [N, K] with K a multiple of ", kInt8Step);
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kInt8Block - 1) / kInt8Block;
-  auto padded = torch::zeros({blocks * kInt8Block, k}, w.options().dtype(torch::kInt16));
+  auto padded = at::zeros({blocks * kInt8Block, k}, w.options().dtype(at::kShort));
   padded.narrow(0, 0, n).copy_(w);
   padded.add_(128);
   return padded.to(kPackedInt8)
@@ -1108,29 +1111,29 @@ torch::Tensor pack_int8(torch::Tensor w) {
 #endif
 }
 
-torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minimum,
-                          std::optional<torch::Tensor> panels) {
+at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
+                          std::optional<at::Tensor> panels) {
   const int64_t k = x.size(1), n = w.size(0);
   // One row streams the weights, where the GGUF layout's fewer bytes pay: on Zen 3, 30 layers'
   // shapes from DRAM, the panels ran 0.96x at one row, 1.19x at 2, 1.49x at 4, 1.80x at 8.
   if (panels && panels->numel() && x.dim() == 2 && x.size(0) > 1)
     return linear_int4_panels(x, *panels, n);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
-  TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == torch::kHalf &&
-                  minimum.scalar_type() == torch::kHalf && scale.numel() == n * (k / kGroup) &&
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
+  TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == at::kHalf &&
+                  minimum.scalar_type() == at::kHalf && scale.numel() == n * (k / kGroup) &&
                   minimum.numel() == n * (k / kGroup),
               "scale/min must be float16 [N, K/32]");
   const Int4Rows rows{w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), minimum.data_ptr<at::Half>(), k};
 #if defined(LOOM_VNNI)
-  if (x.scalar_type() == torch::kBFloat16 && k % (2 * kGroup) == 0)
+  if (x.scalar_type() == at::kBFloat16 && k % (2 * kGroup) == 0)
     return vnni_linear<at::BFloat16>(x, rows, n, quantize_x<at::BFloat16>, LOOM_VNNI_BLOCK(int4_vnni_block));
-  if (x.scalar_type() == torch::kFloat32 && k % (2 * kGroup) == 0)
+  if (x.scalar_type() == at::kFloat && k % (2 * kGroup) == 0)
     return vnni_linear<float>(x, rows, n, quantize_x<float>, LOOM_VNNI_BLOCK(int4_vnni_block));
 #elif defined(LOOM_AVX2_INT)
   if (x.dim() == 2 && k % (2 * kGroup) == 0 && quantized_int8_activations(x.scalar_type())) {
     const auto xc = x.contiguous();
-    return xc.scalar_type() == torch::kFloat32 ? linear_int4_avx2<float>(xc, rows, n)
+    return xc.scalar_type() == at::kFloat ? linear_int4_avx2<float>(xc, rows, n)
                                                : linear_int4_avx2<at::BFloat16>(xc, rows, n);
   }
 #endif
@@ -1139,24 +1142,24 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
 // torch's GEMM on the widened copy beats streaming the codes once per row block.
-torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarType dtype) {
+at::Tensor dequantize_int8(at::Tensor w, at::Tensor scale, at::ScalarType dtype) {
   if (w.dim() == 3) {  // pack_int8's panels (AVX2)
-    TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.dim() == 1, "dequantize_int8: float32 scale [N]");
-    return (unpack_int8_panels(w, scale.numel()).to(torch::kFloat32) * scale.unsqueeze(1)).to(dtype);
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1, "dequantize_int8: float32 scale [N]");
+    return unpack_int8_panels(w, scale.numel()).to(at::kFloat).mul(scale.unsqueeze(1)).to(dtype);
   }
   // pack_int8's blocks [blocks, K / C, R, C] are read in place (no row-major copy first); a uint8
   // block holds codes + 128.
   const bool packed = w.dim() == 4;
-  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
-                  (packed ? (w.scalar_type() == torch::kUInt8 || w.scalar_type() == torch::kInt8) &&
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                  (packed ? (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) &&
                                 w.size(0) * w.size(2) >= scale.numel()
-                          : w.dim() == 2 && w.scalar_type() == torch::kInt8 && scale.numel() == w.size(0)),
+                          : w.dim() == 2 && w.scalar_type() == at::kChar && scale.numel() == w.size(0)),
               "dequantize_int8: int8 [N, K] (or from pack_int8), float32 [N]");
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "dequantize_int8: float32 or bfloat16 output");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_int8: float32 or bfloat16 output");
   const int64_t n = scale.numel(), k = packed ? w.size(1) * w.size(3) : w.size(1);
   const int64_t block_rows = packed ? w.size(2) : 1, step = packed ? w.size(3) : k;
-  const float offset = w.scalar_type() == torch::kUInt8 ? 128.f : 0.f;
-  auto out = torch::empty({n, k}, w.options().dtype(dtype));
+  const float offset = w.scalar_type() == at::kByte ? 128.f : 0.f;
+  auto out = at::empty({n, k}, w.options().dtype(dtype));
   const auto* raw = static_cast<const uint8_t*>(w.data_ptr());
   const float* s = scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, dtype, "dequantize_int8", [&] {
@@ -1182,14 +1185,14 @@ torch::Tensor dequantize_int8(torch::Tensor w, torch::Tensor scale, at::ScalarTy
   return out;
 }
 
-torch::Tensor dequantize_int4(torch::Tensor w, torch::Tensor scale, torch::Tensor minimum, at::ScalarType dtype) {
+at::Tensor dequantize_int4(at::Tensor w, at::Tensor scale, at::Tensor minimum, at::ScalarType dtype) {
   const int64_t n = w.size(0), k = w.size(1) * 2, groups = k / kGroup;
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && k % kGroup == 0 && scale.is_contiguous() &&
-                  minimum.is_contiguous() && scale.scalar_type() == torch::kHalf &&
-                  minimum.scalar_type() == torch::kHalf && scale.numel() == n * groups && minimum.numel() == n * groups,
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && k % kGroup == 0 && scale.is_contiguous() &&
+                  minimum.is_contiguous() && scale.scalar_type() == at::kHalf &&
+                  minimum.scalar_type() == at::kHalf && scale.numel() == n * groups && minimum.numel() == n * groups,
               "dequantize_int4: uint8 [N, K/2], float16 scale/min [N, K/32]");
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "dequantize_int4: float32 or bfloat16 output");
-  auto out = torch::empty({n, k}, w.options().dtype(dtype));
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_int4: float32 or bfloat16 output");
+  auto out = at::empty({n, k}, w.options().dtype(dtype));
   const uint8_t* q = w.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* mn = minimum.data_ptr<at::Half>();
