@@ -290,7 +290,7 @@ at::Tensor linear_int4_panels_as(const at::Tensor& x, const Int4Panels& w, int64
 
 template <typename T>
 at::Tensor linear_int8_panels_as(const at::Tensor& x, const int8_t* w, int64_t panels, const float* scale,
-                                    int64_t n_out) {
+                                 int64_t n_out) {
   const int64_t groups = x.size(1) / kGroup;
   return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
                                                    int64_t ldy, int64_t cols) {

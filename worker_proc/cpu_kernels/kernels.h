@@ -22,8 +22,8 @@ inline int64_t row_tile_at(int64_t r, int64_t m, int64_t tile, int64_t short_max
 }  // namespace loom
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor kv, at::Tensor req_to_token, at::Tensor req_idx,
-                              at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens,
-                              double scale);
+                           at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens,
+                           double scale);
 // paged_attention in two parts: what all layers of a step share (planned from the shape of q
 // [num_tokens, num_heads, D]), then one layer's attention. q may be a view with a row stride
 // (of fused qkv rows).
@@ -50,7 +50,7 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor w, at::Tensor scale);
 at::Tensor pack_int8(at::Tensor w);
 // linear_int4: panels (pack_int4_panels of the same weights) take every x of more than one row.
 at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
-                          std::optional<at::Tensor> panels = std::nullopt);
+                       std::optional<at::Tensor> panels = std::nullopt);
 bool quantized_int8_activations(at::ScalarType dtype);
 // int4 and int8 linears of any row count (integer_panels.cpp): the weights in panels of 16 output
 // features, x quantized to int8 per group of 32. pack_int4_panels lays linear_int4's codes, scales

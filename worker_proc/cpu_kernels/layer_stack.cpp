@@ -132,9 +132,9 @@ class LayerStack {
   // Logits (the model dtype) of the token rows in logit_rows. Writes each layer's K/V to its pool
   // tensor at out_cache_loc and attends as worker_proc/attention.py's PagedKernelAttention.
   at::Tensor forward(at::Tensor input_ids, at::Tensor logit_rows, at::Tensor positions,
-                        at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& kv,
-                        at::Tensor out_cache_loc, at::Tensor req_to_token, at::Tensor req_idx,
-                        at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens, double scale) {
+                     at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& kv,
+                     at::Tensor out_cache_loc, at::Tensor req_to_token, at::Tensor req_idx,
+                     at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens, double scale) {
     TORCH_CHECK(kv.size() == layers_.size(), "one KV tensor per layer expected");
     TORCH_CHECK(embedding_.defined(), "set_head first");
     at::Tensor x = embed(input_ids);
@@ -176,7 +176,7 @@ class LayerStack {
         rows = n_logits;
       }
       at::Tensor attn = run_paged_attention(last ? *last_attention : *attention,
-                                               qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_}), kv[i]);
+                                            qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_}), kv[i]);
       h = add_rms_norm(reduced(layer.o(attn.view({rows, q_size}))), residual, layer.post_norm, eps_);
       x = reduced(layer.down(layer.gate_up.gated() ? layer.gate_up(h) : silu_mul(layer.gate_up(h))));
     }

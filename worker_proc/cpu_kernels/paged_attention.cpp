@@ -1621,8 +1621,8 @@ at::Tensor run_paged_attention(const PagedAttentionPlan& plan, at::Tensor q, at:
 }
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor kv, at::Tensor req_to_token, at::Tensor req_idx,
-                              at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens,
-                              double scale) {
+                           at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens,
+                           double scale) {
   TORCH_CHECK(q.dim() == 3, "q [N,H,D] expected");
   const auto plan = plan_paged_attention(q.size(0), q.size(1), kv, req_to_token, req_idx, token_starts, extend_lens,
                                          seq_lens, scale);

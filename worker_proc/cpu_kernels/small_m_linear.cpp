@@ -496,7 +496,7 @@ inline void int4_vnni_block(const Int4Rows& rows, int64_t n0, const QuantizedX& 
 // time, by `block_dot_fn`.
 template <typename T, typename Rows, typename Quantize, typename Block>
 at::Tensor vnni_linear(const at::Tensor& x_in, const Rows& rows, int64_t n_out, Quantize quantize,
-                          Block block_dot_fn) {
+                       Block block_dot_fn) {
   const auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   const auto qx = quantize(x.data_ptr<T>(), m, k);
@@ -1112,7 +1112,7 @@ at::Tensor pack_int8(at::Tensor w) {
 }
 
 at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
-                          std::optional<at::Tensor> panels) {
+                       std::optional<at::Tensor> panels) {
   const int64_t k = x.size(1), n = w.size(0);
   // One row streams the weights, where the GGUF layout's fewer bytes pay: on Zen 3, 30 layers'
   // shapes from DRAM, the panels ran 0.96x at one row, 1.19x at 2, 1.49x at 4, 1.80x at 8.
