@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import atexit
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -211,6 +212,8 @@ class ServerArgs:
         for name in ("watchdog_timeout", "graceful_shutdown_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 0")
+        if self.zmq_port == self.port and self.port:
+            raise ValueError(f"zmq_port={self.zmq_port}: the HTTP server's --port; give the ZMQ client another")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank}: choose one of 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1:
@@ -285,18 +288,39 @@ def check_pipeline(args: ServerArgs, config: ModelConfig) -> None:
         raise ValueError("--pp-size > 1 with --dllm-algorithm: diffusion rounds run on one pipeline stage only")
 
 
-def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer (chat models often end
-    turns with a token the base config does not list)."""
+def _eos_token_ids(model_dir: Path, tokenizer: Any = None) -> list[int] | None:
+    """EOS ids from config.json, generation_config.json and the tokenizer's eos token (chat models
+    often end turns with a token the base config does not list). Without `tokenizer` its eos token
+    comes from its files (tokenizer_config.json's eos_token looked up in tokenizer.json; the
+    processes then start while the tokenizer loads): None where those do not say it plainly."""
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
         p = model_dir / name
         if p.exists():
             eos = json.loads(p.read_text()).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
+    if tokenizer is None:
+        token_eos = _eos_id_from_tokenizer_files(model_dir)
+        if token_eos is None:
+            return None
+        ids.add(token_eos)
+    elif getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def _eos_id_from_tokenizer_files(model_dir: Path) -> int | None:
+    config, vocab = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    # (a special_tokens_map.json may name other special tokens: the tokenizer itself decides then)
+    if not config.exists() or not vocab.exists() or (model_dir / "special_tokens_map.json").exists():
+        return None
+    eos = json.loads(config.read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(vocab)).token_to_id(eos)
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -349,7 +373,12 @@ class Launcher:
         atexit.register(self.shutdown)
 
     def start(self) -> None:
-        inbox = self._inbox
+        """Spawns every child and waits until each is ready."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Starts every child process of this host (children()); wait_ready() then waits for them."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         server_args = {**dataclasses.asdict(self.args), **self.extra}
         if self.args.tp_size * self.args.pp_size > 1:  # where each rank's workers meet (torch.distributed's store)
@@ -362,9 +391,14 @@ class Launcher:
                               pp_rank=pp_rank)
             self.procs[name] = subprocess.Popen([sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
                                                 env=env, cwd=str(ROOT))
+
+    def wait_ready(self) -> None:
+        """Waits until every child spawned has reported ready; on a failure or the start-up timeout
+        shuts them all down and raises."""
+        inbox = self._inbox
         try:
             deadline = time.monotonic() + self.args.startup_timeout_s
-            while len(self.ready_info) < len(children):
+            while len(self.ready_info) < len(self.procs):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"loom processes not ready after {self.args.startup_timeout_s:.0f} s")
                 dead = self._dead_child()
@@ -440,11 +474,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prepare(args: ServerArgs):
-    """Set up logging, resolve (and on first use convert) the model, load its tokenizer, start
-    the processes. Returns the model folder, tokenizer, launcher and the server info."""
-    from transformers import AutoTokenizer
-
+def _prepare(args: ServerArgs, preload: tuple[str, ...] = ()):
+    """Set up logging, resolve (and on first use convert) the model, start the processes, load
+    its tokenizer (and import the `preload` modules) while they start, wait until they are ready.
+    Returns the model folder, tokenizer, launcher and the server info."""
     from worker_proc.model_loader import resolve_model_path
 
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
@@ -453,9 +486,29 @@ def _prepare(args: ServerArgs):
     TPShard.of(model_config, 0, args.tp_size)  # a size that does not divide the model: refused now
     check_pipeline(args, model_config)
     check_dllm(args, model_config)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
-    launcher.start()
+    # the processes start first (the worker's model load is most of a start-up); the tokenizer
+    # loads meanwhile, where its files name the eos token
+    eos_ids = _eos_token_ids(model_dir)
+    launcher = None if eos_ids is None else Launcher(args, model_dir, {"eos_token_ids": eos_ids})
+    try:
+        if launcher is not None:
+            launcher.spawn()
+        for module in preload:
+            importlib.import_module(module)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if eos_ids != _eos_token_ids(model_dir, tokenizer):
+            if launcher is not None:
+                log.warning("the tokenizer's eos token is not the one its files name: restarting the processes")
+                launcher.shutdown()
+            launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
+            launcher.spawn()
+        launcher.wait_ready()
+    except BaseException:
+        if launcher is not None:
+            launcher.shutdown()
+        raise
     first_scheduler, first_worker = (next(info for name, info in launcher.ready_info.items() if name.startswith(kind))
                                      for kind in ("scheduler", "worker"))
     info = {"model_path": str(model_dir), "vocab_size": model_config.vocab_size, **first_scheduler, **first_worker,
@@ -652,12 +705,6 @@ def serve_worker_node(args: ServerArgs) -> None:
 def serve(args: ServerArgs) -> None:
     if args.node_rank > 0:
         return serve_worker_node(args)
-    import uvicorn
-    import uvloop
-
-    from tokenizer_proc.http_server import build_app
-    from tokenizer_proc.manager import TokenizerManager
-    from tokenizer_proc.zmq_frontend import ZmqFrontend
 
     def on_signal(signum: int, _frame) -> None:
         # SIGTERM / SIGINT outside uvicorn's own handling (start-up, or re-raised by uvicorn once it
@@ -668,7 +715,14 @@ def serve(args: ServerArgs) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    model_dir, tokenizer, launcher, info = _prepare(args)
+    server_modules = ("uvicorn", "uvloop", "tokenizer_proc.http_server", "tokenizer_proc.zmq_frontend")
+    model_dir, tokenizer, launcher, info = _prepare(args, preload=server_modules)
+    import uvicorn  # (imported while the processes started)
+    import uvloop
+
+    from tokenizer_proc.http_server import build_app
+    from tokenizer_proc.manager import TokenizerManager
+    from tokenizer_proc.zmq_frontend import ZmqFrontend
 
     def on_death(message: str) -> None:
         print(f"loom: {message}", file=sys.stderr, flush=True)

@@ -219,8 +219,11 @@ def test_quantized_model_equals_its_dequantized_weights(tiny, scheme):
 
 
 def test_layer_stack_weights_lie_in_step_order(tiny):
-    """build_layer_stack packs the weights into one region in the order a step reads them, and
-    parameters keep their identity (a tied LM head still is the embedding)."""
+    """build_layer_stack packs the weights a step reads into one region in the order it reads
+    them (float32 panels without their [N, K] weights), and parameters keep their identity (a
+    tied LM head still is the embedding)."""
+    from worker_proc.linear import Linear
+
     model = tiny.runner.model
     if model.layer_stack is None:
         pytest.skip("no layer stack: torch backend, or per-head q/k norms")
@@ -228,11 +231,16 @@ def test_layer_stack_weights_lie_in_step_order(tiny):
     for layer in model.layers:
         for module in (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                        layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            starts += [t.data_ptr() for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
-    starts += [model.norm.weight.data_ptr(), model.lm_head.kernel_spec()[0][0].data_ptr()]
+            tensors = (module.streamed_tensors() if isinstance(module, Linear) else
+                       (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+            starts += [t.data_ptr() for t in tensors]
+    starts += [model.norm.weight.data_ptr(), *(t.data_ptr() for t in model.lm_head.streamed_tensors())]
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
     weights = [*model.parameters(), *(m.packed for m in model.modules() if getattr(m, "packed", None) is not None)]
     assert starts[-1] - starts[0] < sum(t.numel() * t.element_size() for t in weights) + 64 * len(starts)
+    panels_only = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None
+                   and m.weight.dtype == torch.float32 and m.weight is not model.embed_tokens.weight]
+    assert all(not starts[0] <= m.weight.data_ptr() <= starts[-1] for m in panels_only)
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.embed_tokens.weight
 

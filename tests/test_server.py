@@ -20,14 +20,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (each socket held until all are picked: one closed at once may be
+    handed out again)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class Server:
     def __init__(self, *extra: str):
-        self.port, self.zmq_port = free_port(), free_port()
+        self.port, self.zmq_port = free_ports(2)
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), "--zmq-port", str(self.zmq_port),
              "--dtype", "float32", "--kv-cache-gb", "0.5", "--max-running-requests", "16", *extra],
@@ -205,3 +216,34 @@ def test_native_streaming_incremental(server):
                 ids += out["output_ids"]
     full = httpx.post(server.url + "/generate", timeout=120, json={**body, "stream": False}).json()
     assert "".join(pieces) == full["text"] and ids == full["output_ids"] and len(pieces) > 1
+
+
+def test_eos_ids_read_before_the_tokenizer_loads_are_the_tokenizers(default_model_dir, smollm2_tokenizer, tmp_path):
+    """The processes start with the eos ids the tokenizer's files name (the tokenizer loads
+    meanwhile); where the files do not say it plainly, the tokenizer decides first."""
+    import shutil
+
+    import launch
+
+    assert launch._eos_token_ids(default_model_dir) == launch._eos_token_ids(default_model_dir, smollm2_tokenizer)
+    copy = tmp_path / "model"
+    shutil.copytree(default_model_dir, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True}}))
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(copy)
+    assert other.eos_token_id != smollm2_tokenizer.eos_token_id
+    assert launch._eos_token_ids(copy) == launch._eos_token_ids(copy, other)
+    (copy / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert launch._eos_token_ids(copy) is None
+    (copy / "special_tokens_map.json").unlink()
+    (copy / "tokenizer.json").unlink()
+    assert launch._eos_token_ids(copy) is None
+
+
+def test_the_zmq_port_must_differ_from_the_http_port():
+    import launch
+
+    with pytest.raises(ValueError, match="zmq_port=8123: the HTTP server's --port"):
+        launch.ServerArgs(port=8123, zmq_port=8123)

@@ -40,7 +40,7 @@ class KVPool:
             # huge pages: attention reads slots in scattered order, each a TLB miss with 4 KiB pages;
             # mapped at start, as the pool is used slot by slot (page faults in a step's KV writes
             # cost ~1 ms a 2 MiB page in a VM, several per step while a load ramps up)
-            whole = zeros_tensor_on_huge_pages((num_layers, *shape), dtype, prefault=True)
+            whole = zeros_tensor_on_huge_pages((num_layers, *shape), dtype, prefault_now=True)
             self.kv = list(whole.unbind(0))
         else:
             self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

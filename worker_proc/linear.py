@@ -37,6 +37,13 @@ class Linear(nn.Module):
         self.packed = self.ops.pack_dense(self.weight.detach(), gated=self.gated and self.bias is None)
         self.onednn = self.ops.pack_onednn(self.weight, self.packed is not None)
 
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        """What a small step reads of this layer (for the weights' huge-page region): with float32
+        panels, not the [N, K] weight (left to torch's GEMM above the panels' rows and to a last
+        partial panel); bfloat16 keeps it (one row streams it)."""
+        weight = [] if self.packed is not None and self.weight.dtype == torch.float32 else [self.weight]
+        return [*weight, *(t for t in (self.packed, self.bias) if t is not None)]
+
     @property
     def packed_gated(self) -> bool:
         """Whether `packed` holds [gate; up] for the fused silu(gate) * up (pack_dense_bf16)."""

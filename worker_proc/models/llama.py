@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from worker_proc.attention import AttentionBackend
-from worker_proc.huge_pages import pack_on_huge_pages
+from worker_proc.huge_pages import move_to_huge_pages
 from worker_proc.linear import HalfLinear, Linear
 from worker_proc.model_config import ModelConfig
 from worker_proc.ops import Ops
@@ -152,7 +152,10 @@ class CausalLM(nn.Module):
         self.is_first_stage, self.is_last_stage = stage.start == 0, stage.stop == config.num_layers
         # vocabulary rows [vocab_start, vocab_start + vocab_rows) of the embedding and LM head
         holds_embedding = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
-        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size) if holds_embedding else None
+        # (_weight: left uninitialized, as the checkpoint overwrites it; a random init costs ~0.2 s)
+        self.embed_tokens = (nn.Embedding(shard.vocab_rows, config.hidden_size,
+                                          _weight=torch.empty(shard.vocab_rows, config.hidden_size))
+                             if holds_embedding else None)
         # layer i of the model is self.layers[i - stage.start]; its KV lives in the pool's layer of that index
         self.layers = nn.ModuleList(DecoderLayer(config, i, ops, shard, tp) for i in range(len(stage)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops) if self.is_last_stage else None
@@ -229,9 +232,10 @@ class CausalLM(nn.Module):
         return True
 
     def _pack_weights_in_step_order(self) -> None:
-        """Moves every weight into one huge-page region in the order a step reads them, so a
-        small-batch step streams one contiguous range instead of ~120 separate allocations
-        (batch-1 step 3-6% faster). Parameters and buffers keep their identity (ties hold)."""
+        """Moves the weights a step reads (Linear.streamed_tensors) into one huge-page region in the
+        order it reads them, so a small-batch step streams one contiguous range instead of ~120
+        separate allocations (batch-1 step 3-6% faster). Parameters and buffers keep their
+        identity (ties hold)."""
         order: list[nn.Module] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -239,11 +243,11 @@ class CausalLM(nn.Module):
                       mlp.gate_up_proj, mlp.down_proj]
         order += [self.norm, self.lm_head, self.embed_tokens]
         tensors = list({id(t): t for module in order
-                        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))}.values())
+                        for t in (module.streamed_tensors() if isinstance(module, Linear) else
+                                  (*module.parameters(recurse=False), *module.buffers(recurse=False)))}.values())
         if any(t.device.type != "cpu" for t in tensors):
             return
-        for tensor, packed in zip(tensors, pack_on_huge_pages([t.detach() for t in tensors])):
-            tensor.data = packed
+        move_to_huge_pages(tensors)
 
     # ---- weights ---------------------------------------------------------------------------
 
