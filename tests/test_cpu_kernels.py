@@ -531,3 +531,40 @@ def test_auto_dtype_times_the_linear_the_model_runs(kernel, monkeypatch):
     fp32, bf16 = map(float, re.findall(r"float32 ([\d.]+) ms, bfloat16 ([\d.]+) ms", why)[0])
     assert dtype == (torch.bfloat16 if bf16 < 0.9 * fp32 else torch.float32)
     assert "torch's GEMM" in dtype_probe.resolve_dtype("auto", "cpu", None)[1]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_shared_memory_all_reduce_sums_in_rank_order_on_every_rank(kernel, ranks):
+    """Ranks as threads over one region: calls of many sizes back to back (each slot set is reused
+    two calls later), tensors larger than a slot in pieces as TPGroup.all_reduce cuts them; every
+    rank gets the same bits, the float32 sum in rank order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worker_proc.huge_pages import zeros_on_huge_pages
+
+    region = zeros_on_huge_pages(64 * ranks + 2 * ranks * 4096)
+    slot = kernel.shared_reduce_slot_bytes(region, ranks)
+    assert slot == 4096
+    g = torch.Generator().manual_seed(ranks)
+    shapes = [(3, 7), (1, 576), (0, 5), (2, 512), (1,), (5, 100), (1024,), (3000,)] * 3
+    calls = [[torch.randn(s, generator=g).to(dtype) for _ in range(ranks)]
+             for s in shapes for dtype in (torch.float32, torch.bfloat16)]
+    results = [[x.clone() for x in parts] for parts in calls]
+
+    def rank_loop(rank):
+        seq = 0
+        for parts in results:
+            x = parts[rank].view(-1)
+            step = slot // x.element_size()
+            for begin in range(0, x.numel(), step):
+                seq += 1
+                kernel.shared_memory_all_reduce(region, rank, ranks, seq, x[begin : begin + step])
+
+    with ThreadPoolExecutor(ranks) as pool:
+        list(pool.map(rank_loop, range(ranks)))
+    for parts, outs in zip(calls, results):
+        want = parts[0].float()
+        for p in parts[1:]:
+            want = want + p.float()
+        for out in outs:
+            assert torch.equal(out, want.to(out.dtype))

@@ -46,6 +46,11 @@ def main(config: ChildConfig, report_ready) -> None:
             tp, pp = PPGroup.connect(rank, tp_size, pp_rank, pp_size, init_addr, args["device"])
         elif tp_size > 1:
             tp = TPGroup.connect(rank, tp_size, init_addr, args["device"])
+        # a group all on this CPU host sums through shared memory (every rank decides alike)
+        shared_kernels = (load_kernels(args["kernel_backend"], "cpu", args["kernel_isa"])
+                          if tp.size > 1 and args["device"] == "cpu" and args["nnodes"] == 1 else None)
+        if shared_kernels is not None:
+            tp.share_memory(f"{Path(config.endpoints.directory).name}-dp{config.dp_rank}-pp{pp_rank}", shared_kernels)
         dtypes = list(DTYPES.values())
         dtype, why = (resolve_dtype(args["dtype"], args["device"],
                                     load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"]))

@@ -10,7 +10,8 @@ The logits are gathered on rank 0, which samples: the scheduler sends every step
 every rank, so the others never need the sampled ids, and sampling (penalties, seeds, logprobs)
 stays one code path over the whole vocabulary.
 
-Collectives are torch.distributed's (gloo on CPU, NCCL on GPU).
+Collectives are torch.distributed's (gloo on CPU, NCCL on GPU). On a CPU host holding every rank
+of its group, the all-reduces of the forward go through shared memory instead (share_memory).
 """
 
 from __future__ import annotations
@@ -84,6 +85,32 @@ class TPGroup:
         self.device = device  # where the small tensors of broadcasts live (NCCL takes GPU tensors only)
         self.group = group  # torch.distributed's process group (None: the whole world, no pipeline stages)
         self.collective_s = 0.0
+        self._shared = None  # (region, kernels) once share_memory has mapped it
+        self._calls = 0  # shared all-reduces so far: every rank counts the same
+
+    def share_memory(self, name: str, kernels, nbytes: int = 16 << 20) -> None:
+        """Maps a region of shared memory (/dev/shm/`name`, unique to this group) with the other
+        ranks, through which all_reduce then sums (loom's CPU kernels: shared_memory_all_reduce).
+        Rank 0 creates it and removes the name once every rank has mapped it, so nothing is left
+        behind. Every rank of the group calls it, on one host."""
+        import mmap
+        import os
+
+        import torch.distributed as dist
+
+        path = f"/dev/shm/{name}"
+        if self.rank == 0:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, nbytes)
+        dist.barrier(group=self.group)
+        if self.rank != 0:
+            fd = os.open(path, os.O_RDWR)
+        region = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            os.unlink(path)
+        self._shared = (torch.frombuffer(region, dtype=torch.uint8), kernels)
 
     @classmethod
     def connect(cls, rank: int, size: int, init_addr: str, device: str = "cpu") -> "TPGroup":
@@ -99,7 +126,16 @@ class TPGroup:
             import torch.distributed as dist
 
             start = time.perf_counter()
-            dist.all_reduce(x, group=self.group)
+            if self._shared is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
+                region, kernels = self._shared
+                flat = x.view(-1)
+                step = kernels.shared_reduce_slot_bytes(region, self.size) // x.element_size()
+                for begin in range(0, flat.numel(), step):
+                    self._calls += 1
+                    kernels.shared_memory_all_reduce(region, self.rank, self.size, self._calls,
+                                                     flat[begin : begin + step])
+            else:
+                dist.all_reduce(x, group=self.group)
             self.collective_s += time.perf_counter() - start
         return x
 

@@ -27,11 +27,15 @@ log = logging.getLogger("loom.kernels")
 _HERE = Path(__file__).parent
 # (longest compile first: the build runs them two or more at a time)
 _SOURCES = [_HERE / n for n in ("paged_attention.cpp", "layer_stack.cpp", "small_m_linear.cpp", "bindings.cpp",
-                                "integer_panels.cpp", "fused_ops.cpp", "half_linear.cpp", "amx_linear.cpp")]
+                                "integer_panels.cpp", "fused_ops.cpp", "half_linear.cpp", "amx_linear.cpp",
+                                "shared_memory_reduce.cpp")]
 _HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h", "amx_tiles.h", "team.h")]
 
 ISA_LEVELS = ("native", "avx512", "avx2", "scalar")
 _MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "scalar": "x86-64"}
+# -O2 for the scalar level (CPUs older than AVX2, a fallback nothing is tuned for): at -O3 GCC
+# spent 70 s on paged_attention.cpp alone there (its 16-lane vectors lowered to SSE), at -O2 23 s.
+_OPT = {level: "-O2" if level == "scalar" else "-O3" for level in ISA_LEVELS}
 # /proc/cpuinfo flags a level's code may use (x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE;
 # v4 adds AVX-512 F, BW, CD, DQ, VL).
 _V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}
@@ -96,7 +100,7 @@ def describe(level: str, macros=None) -> str:
 
 def _build_name(level: str) -> str:
     # -march=native code is only valid on the CPU that built it: native builds are keyed by its flags.
-    key = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + _MARCH[level].encode()
+    key = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + _MARCH[level].encode() + _OPT[level].encode()
     if level == "native":
         key += " ".join(sorted(_cpu_flags())).encode() or platform.processor().encode()
     return f"loom_cpu_kernels_{level}_{hashlib.sha1(key).hexdigest()[:12]}"
@@ -130,7 +134,7 @@ def load(level: str = "native"):
                                                 "once per CPU and loom version"):
             _modules[level] = load_extension(
                 name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-std=c++20", f"-march={_MARCH[level]}", "-fopenmp", "-fvisibility=hidden"],
+                extra_cflags=[_OPT[level], "-std=c++20", f"-march={_MARCH[level]}", "-fopenmp", "-fvisibility=hidden"],
                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler / headers: the torch path still works
         _failed.add(level)

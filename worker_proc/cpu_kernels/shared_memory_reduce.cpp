@@ -1,0 +1,83 @@
+// The tensor-parallel all-reduce between the ranks of one host, through a region of shared memory
+// every rank maps (TPGroup.share_memory in worker_proc/tensor_parallel.py). gloo's TCP transport
+// polls and switches threads on every call: on AMD Zen 3 with 3 ranks on 2 cores, a SmolLM2 decode
+// step (61 all-reduces) took 250 ms against 24 ms at one rank, most of it in the kernel.
+//
+// The region: one arrival counter per rank (a cache line each), then two sets of one slot per rank.
+// Call `seq` (1, 2, 3, ... the same on every rank) copies x into this rank's slot of set seq % 2,
+// publishes seq, waits until every rank has, and sums the slots in rank order into x: every rank
+// gets the same bits. A set is written again two calls later, when every rank has published the
+// call in between, so has finished reading it: no second barrier.
+#include <ATen/core/Tensor.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t kLine = 64;
+// spins before each wait yields the core (several ranks may share one: the rank it waits for
+// may need it)
+constexpr int kSpins = 2000;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// out = slots[0] + slots[1] + ... in rank order, summed in float32, in blocks that stay in L1
+template <typename T>
+void sum_slots(const uint8_t* const* slots, int64_t size, T* out, int64_t n) {
+  constexpr int64_t kBlock = 1024;
+  float total[kBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t len = std::min(kBlock, n - i0);
+    const T* first = reinterpret_cast<const T*>(slots[0]) + i0;
+    for (int64_t j = 0; j < len; ++j) total[j] = static_cast<float>(first[j]);
+    for (int64_t r = 1; r < size; ++r) {
+      const T* part = reinterpret_cast<const T*>(slots[r]) + i0;
+      for (int64_t j = 0; j < len; ++j) total[j] += static_cast<float>(part[j]);
+    }
+    for (int64_t j = 0; j < len; ++j) out[i0 + j] = static_cast<T>(total[j]);
+  }
+}
+
+}  // namespace
+
+int64_t shared_reduce_slot_bytes(const at::Tensor& region, int64_t size) {
+  return (region.numel() - size * kLine) / (2 * size) / kLine * kLine;
+}
+
+void shared_memory_all_reduce(at::Tensor region, int64_t rank, int64_t size, int64_t seq, at::Tensor x) {
+  TORCH_CHECK(region.scalar_type() == at::kByte && region.is_contiguous() && region.data_ptr<uint8_t>() != nullptr &&
+                  reinterpret_cast<uintptr_t>(region.data_ptr<uint8_t>()) % kLine == 0,
+              "region must be a cache-line aligned uint8 tensor");
+  TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be contiguous float32 or bfloat16");
+  TORCH_CHECK(0 <= rank && rank < size && seq > 0, "rank, size, seq");
+  const int64_t slot_bytes = shared_reduce_slot_bytes(region, size), bytes = x.numel() * x.element_size();
+  TORCH_CHECK(bytes <= slot_bytes, "x (", bytes, " bytes) exceeds a slot (", slot_bytes, ")");
+  uint8_t* base = region.data_ptr<uint8_t>();
+  uint8_t* set = base + size * kLine + (seq % 2) * size * slot_bytes;
+  const auto arrived = [&](int64_t r) { return std::atomic_ref<int64_t>(*reinterpret_cast<int64_t*>(base + r * kLine)); };
+  std::memcpy(set + rank * slot_bytes, x.data_ptr(), bytes);
+  arrived(rank).store(seq, std::memory_order_release);
+  for (int64_t r = 0; r < size; ++r)
+    for (int spins = 0; arrived(r).load(std::memory_order_acquire) < seq; ++spins)
+      if (spins < kSpins)
+        cpu_relax();
+      else
+        sched_yield();
+  const uint8_t* slots[64];
+  TORCH_CHECK(size <= 64, "at most 64 ranks");
+  for (int64_t r = 0; r < size; ++r) slots[r] = set + r * slot_bytes;
+  if (x.scalar_type() == at::kFloat)
+    sum_slots(slots, size, x.data_ptr<float>(), x.numel());
+  else
+    sum_slots(slots, size, x.data_ptr<at::BFloat16>(), x.numel());
+}
