@@ -136,8 +136,9 @@ class ServerArgs:
     num_threads: int | None = _arg(None, "torch threads in each worker (default: the cores divided among the "
                                          "tensor-parallel ranks)")
     tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
-                           "MLP columns, vocabulary rows) and run every step together (torch.distributed: gloo on "
-                           "CPU); it must divide the attention heads and the MLP size")
+                           "MLP columns, vocabulary rows) and run every step together (their all-reduces through "
+                           "shared memory on one CPU host, torch.distributed's gloo across hosts, NCCL on GPUs); "
+                           "it must divide the attention heads and the MLP size")
     pp_size: int = _arg(1, "pipeline stages: the layers split into this many worker processes (each with --tp-size "
                            "ranks) that pass each step's hidden states on (torch.distributed point-to-point); the "
                            "scheduler keeps up to this many disjoint micro-batches in flight so every stage works "
