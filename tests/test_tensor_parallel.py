@@ -8,7 +8,7 @@ import torch
 
 from inproc import PARALLEL_GREEDY, build_tiny_checkpoint, parallel_outputs, with_tokenizer
 from worker_proc.model_config import ModelConfig
-from worker_proc.tensor_parallel import TPShard, valid_tp_sizes
+from worker_proc.tensor_parallel import TPGroup, TPShard, valid_tp_sizes
 
 
 def _config(heads: int, kv_heads: int, inter: int = 1536, vocab: int = 1000) -> ModelConfig:
@@ -130,3 +130,39 @@ def test_killing_one_rank_brings_the_server_down_naming_it():
     from test_faults import kill_and_expect_shutdown
 
     kill_and_expect_shutdown(("--tp-size", "3"), "worker_tp1")
+
+
+def _share_memory_rank(rank: int, addr: str, name: str, results) -> None:
+    from worker_proc import cpu_kernels
+
+    group = TPGroup.connect(rank, 2, addr)
+    shared = group.share_memory(name, cpu_kernels.load("native"))
+    x = torch.full((3, 5), float(rank + 1))
+    group.all_reduce(x)
+    results.put((rank, shared, x.tolist()))
+    group.close()
+
+
+@pytest.mark.parametrize("name,shared", [("loom-test-{pid}", True), ("no-such-folder-{pid}/region", False)])
+def test_ranks_sum_through_shared_memory_or_all_keep_gloo(name, shared):
+    """Two rank processes map a region and sum through it; where it cannot be created every rank
+    keeps gloo, with the same sums. No name is left in /dev/shm either way."""
+    import multiprocessing
+    import os
+
+    from test_server import free_port
+    from worker_proc import cpu_kernels
+
+    if cpu_kernels.load("native") is None:
+        pytest.skip("no C++ compiler here: the kernels (and the shared-memory all-reduce) are not built")
+    name, addr = name.format(pid=os.getpid()), f"127.0.0.1:{free_port()}"
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_share_memory_rank, args=(rank, addr, name, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    outcomes = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert outcomes == [(rank, shared, [[3.0] * 5] * 3) for rank in range(2)]
+    assert not os.path.exists(f"/dev/shm/{name}")

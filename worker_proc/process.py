@@ -49,8 +49,9 @@ def main(config: ChildConfig, report_ready) -> None:
         # a group all on this CPU host sums through shared memory (every rank decides alike)
         shared_kernels = (load_kernels(args["kernel_backend"], "cpu", args["kernel_isa"])
                           if tp.size > 1 and args["device"] == "cpu" and args["nnodes"] == 1 else None)
-        if shared_kernels is not None:
-            tp.share_memory(f"{Path(config.endpoints.directory).name}-dp{config.dp_rank}-pp{pp_rank}", shared_kernels)
+        if shared_kernels is not None and not tp.share_memory(
+                f"{Path(config.endpoints.directory).name}-dp{config.dp_rank}-pp{pp_rank}", shared_kernels):
+            log.warning("no shared memory (/dev/shm) for the tensor-parallel ranks: their all-reduces take gloo")
         dtypes = list(DTYPES.values())
         dtype, why = (resolve_dtype(args["dtype"], args["device"],
                                     load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"]))

@@ -88,29 +88,46 @@ class TPGroup:
         self._shared = None  # (region, kernels) once share_memory has mapped it
         self._calls = 0  # shared all-reduces so far: every rank counts the same
 
-    def share_memory(self, name: str, kernels, nbytes: int = 16 << 20) -> None:
+    def share_memory(self, name: str, kernels, nbytes: int = 16 << 20) -> bool:
         """Maps a region of shared memory (/dev/shm/`name`, unique to this group) with the other
         ranks, through which all_reduce then sums (loom's CPU kernels: shared_memory_all_reduce).
         Rank 0 creates it and removes the name once every rank has mapped it, so nothing is left
-        behind. Every rank of the group calls it, on one host."""
+        behind. Every rank of the group calls it, on one host; all return False (and keep gloo)
+        where any of them could not open it."""
         import mmap
         import os
 
         import torch.distributed as dist
 
-        path = f"/dev/shm/{name}"
-        if self.rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, nbytes)
-        dist.barrier(group=self.group)
-        if self.rank != 0:
-            fd = os.open(path, os.O_RDWR)
-        region = mmap.mmap(fd, nbytes)
-        os.close(fd)
-        dist.barrier(group=self.group)
-        if self.rank == 0:
+        path, fd = f"/dev/shm/{name}", -1
+
+        def agreed(failed: bool) -> bool:  # whether every rank succeeded
+            return not self.all_reduce_max(torch.tensor([int(failed)], dtype=torch.int64)).item()
+
+        try:
+            if self.rank == 0:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                os.ftruncate(fd, nbytes)
+            ok = agreed(False)
+        except OSError:
+            ok = agreed(True)
+        if ok and self.rank != 0:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                ok = agreed(False)
+            except OSError:
+                ok = agreed(True)
+        elif ok:
+            ok = agreed(False)
+        if ok:
+            region = mmap.mmap(fd, nbytes)
+            self._shared = (torch.frombuffer(region, dtype=torch.uint8), kernels)
+            dist.barrier(group=self.group)  # every rank has mapped it
+        if fd >= 0:
+            os.close(fd)
+        if self.rank == 0 and fd >= 0:
             os.unlink(path)
-        self._shared = (torch.frombuffer(region, dtype=torch.uint8), kernels)
+        return ok
 
     @classmethod
     def connect(cls, rank: int, size: int, init_addr: str, device: str = "cpu") -> "TPGroup":
