@@ -499,11 +499,12 @@ def _prepare(args: ServerArgs, preload: tuple[str, ...] = ()):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if eos_ids != _eos_token_ids(model_dir, tokenizer):
+        tokenizer_eos_ids = _eos_token_ids(model_dir, tokenizer)
+        if eos_ids != tokenizer_eos_ids:
             if launcher is not None:
                 log.warning("the tokenizer's eos token is not the one its files name: restarting the processes")
                 launcher.shutdown()
-            launcher = Launcher(args, model_dir, {"eos_token_ids": _eos_token_ids(model_dir, tokenizer)})
+            launcher = Launcher(args, model_dir, {"eos_token_ids": tokenizer_eos_ids})
             launcher.spawn()
         launcher.wait_ready()
     except BaseException:

@@ -101,32 +101,34 @@ class TPGroup:
 
         path, fd = f"/dev/shm/{name}", -1
 
-        def agreed(failed: bool) -> bool:  # whether every rank succeeded
-            return not self.all_reduce_max(torch.tensor([int(failed)], dtype=torch.int64)).item()
-
-        try:
+        def create() -> None:
+            nonlocal fd
             if self.rank == 0:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 os.ftruncate(fd, nbytes)
-            ok = agreed(False)
-        except OSError:
-            ok = agreed(True)
-        if ok and self.rank != 0:
-            try:
+
+        def open_created() -> None:
+            nonlocal fd
+            if self.rank != 0:
                 fd = os.open(path, os.O_RDWR)
-                ok = agreed(False)
+
+        def on_every_rank(action) -> bool:  # whether it succeeded on every rank (all learn the same)
+            try:
+                action()
+                failed = 0
             except OSError:
-                ok = agreed(True)
-        elif ok:
-            ok = agreed(False)
+                failed = 1
+            return not self.all_reduce_max(torch.tensor([failed], dtype=torch.int64)).item()
+
+        ok = on_every_rank(create) and on_every_rank(open_created)
         if ok:
             region = mmap.mmap(fd, nbytes)
             self._shared = (torch.frombuffer(region, dtype=torch.uint8), kernels)
             dist.barrier(group=self.group)  # every rank has mapped it
         if fd >= 0:
             os.close(fd)
-        if self.rank == 0 and fd >= 0:
-            os.unlink(path)
+            if self.rank == 0:
+                os.unlink(path)
         return ok
 
     @classmethod
