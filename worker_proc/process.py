@@ -46,16 +46,13 @@ def main(config: ChildConfig, report_ready) -> None:
             tp, pp = PPGroup.connect(rank, tp_size, pp_rank, pp_size, init_addr, args["device"])
         elif tp_size > 1:
             tp = TPGroup.connect(rank, tp_size, init_addr, args["device"])
+        kernels = load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"])
         # a group all on this CPU host sums through shared memory (every rank decides alike)
-        shared_kernels = (load_kernels(args["kernel_backend"], "cpu", args["kernel_isa"])
-                          if tp.size > 1 and args["device"] == "cpu" and args["nnodes"] == 1 else None)
-        if shared_kernels is not None and not tp.share_memory(
-                f"{Path(config.endpoints.directory).name}-dp{config.dp_rank}-pp{pp_rank}", shared_kernels):
+        if kernels is not None and tp.size > 1 and args["nnodes"] == 1 and not tp.share_memory(
+                f"{Path(config.endpoints.directory).name}-dp{config.dp_rank}-pp{pp_rank}", kernels):
             log.warning("no shared memory (/dev/shm) for the tensor-parallel ranks: their all-reduces take gloo")
         dtypes = list(DTYPES.values())
-        dtype, why = (resolve_dtype(args["dtype"], args["device"],
-                                    load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"]))
-                      if index == 0 else (None, ""))
+        dtype, why = resolve_dtype(args["dtype"], args["device"], kernels) if index == 0 else (None, "")
         # the first worker's choice, on all (the whole world: every stage holds the same dtype)
         world = TPGroup(index, group_size, args["device"])
         dtype = dtypes[world.broadcast_index(dtypes.index(dtype) if index == 0 else 0)]

@@ -85,7 +85,7 @@ class TPGroup:
         self.device = device  # where the small tensors of broadcasts live (NCCL takes GPU tensors only)
         self.group = group  # torch.distributed's process group (None: the whole world, no pipeline stages)
         self.collective_s = 0.0
-        self._shared = None  # (region, kernels) once share_memory has mapped it
+        self._shared = None  # (region, kernels, elements a slot holds by dtype) once share_memory has mapped it
         self._calls = 0  # shared all-reduces so far: every rank counts the same
 
     def share_memory(self, name: str, kernels, nbytes: int = 16 << 20) -> bool:
@@ -123,7 +123,10 @@ class TPGroup:
         ok = on_every_rank(create) and on_every_rank(open_created)
         if ok:
             region = mmap.mmap(fd, nbytes)
-            self._shared = (torch.frombuffer(region, dtype=torch.uint8), kernels)
+            shared = torch.frombuffer(region, dtype=torch.uint8)
+            slot_bytes = kernels.shared_reduce_slot_bytes(shared, self.size)
+            self._shared = (shared, kernels, {dtype: slot_bytes // dtype.itemsize
+                                              for dtype in (torch.float32, torch.bfloat16)})
             dist.barrier(group=self.group)  # every rank has mapped it
         if fd >= 0:
             os.close(fd)
@@ -145,10 +148,9 @@ class TPGroup:
             import torch.distributed as dist
 
             start = time.perf_counter()
-            if self._shared is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
-                region, kernels = self._shared
-                flat = x.view(-1)
-                step = kernels.shared_reduce_slot_bytes(region, self.size) // x.element_size()
+            if self._shared is not None and x.is_contiguous() and x.dtype in self._shared[2]:
+                region, kernels, slot_elements = self._shared
+                flat, step = x.view(-1), slot_elements[x.dtype]
                 for begin in range(0, flat.numel(), step):
                     self._calls += 1
                     kernels.shared_memory_all_reduce(region, self.rank, self.size, self._calls,

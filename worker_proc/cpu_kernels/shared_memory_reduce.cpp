@@ -59,7 +59,7 @@ void shared_memory_all_reduce(at::Tensor region, int64_t rank, int64_t size, int
               "region must be a cache-line aligned uint8 tensor");
   TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be contiguous float32 or bfloat16");
-  TORCH_CHECK(0 <= rank && rank < size && seq > 0, "rank, size, seq");
+  TORCH_CHECK(0 <= rank && rank < size && size <= 64 && seq > 0, "rank, size (at most 64 ranks), seq");
   const int64_t slot_bytes = shared_reduce_slot_bytes(region, size), bytes = x.numel() * x.element_size();
   TORCH_CHECK(bytes <= slot_bytes, "x (", bytes, " bytes) exceeds a slot (", slot_bytes, ")");
   uint8_t* base = region.data_ptr<uint8_t>();
@@ -74,7 +74,6 @@ void shared_memory_all_reduce(at::Tensor region, int64_t rank, int64_t size, int
       else
         sched_yield();
   const uint8_t* slots[64];
-  TORCH_CHECK(size <= 64, "at most 64 ranks");
   for (int64_t r = 0; r < size; ++r) slots[r] = set + r * slot_bytes;
   if (x.scalar_type() == at::kFloat)
     sum_slots(slots, size, x.data_ptr<float>(), x.numel());
