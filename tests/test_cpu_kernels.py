@@ -568,3 +568,28 @@ def test_shared_memory_all_reduce_sums_in_rank_order_on_every_rank(kernel, ranks
             want = want + p.float()
         for out in outs:
             assert torch.equal(out, want.to(out.dtype))
+
+
+def test_shared_memory_exchange_hands_every_rank_each_ranks_tensor(kernel):
+    """Ranks as threads: each call returns every rank's tensor (its shape and dtype), the sets
+    alternating as in the all-reduce; the views are read before the rank's next call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worker_proc.huge_pages import zeros_on_huge_pages
+
+    ranks = 3
+    region = zeros_on_huge_pages(64 * ranks + 2 * ranks * 4096)
+    g = torch.Generator().manual_seed(0)
+    calls = [[torch.randint(-1000, 1000, (n, 4), generator=g, dtype=torch.int64) for _ in range(ranks)]
+             for n in (1, 0, 64, 3, 128, 7)] * 2 + [[torch.randn(2, 100, generator=g) for _ in range(ranks)]]
+
+    def rank_loop(rank):
+        seen = []
+        for seq, parts in enumerate(calls, start=1):
+            seen.append([p.clone() for p in kernel.shared_memory_exchange(region, rank, ranks, seq, parts[rank])])
+        return seen
+
+    with ThreadPoolExecutor(ranks) as pool:
+        for seen in pool.map(rank_loop, range(ranks)):
+            for got, parts in zip(seen, calls):
+                assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, parts))

@@ -139,14 +139,18 @@ def _share_memory_rank(rank: int, addr: str, name: str, results) -> None:
     shared = group.share_memory(name, cpu_kernels.load("native"))
     x = torch.full((3, 5), float(rank + 1))
     group.all_reduce(x)
-    results.put((rank, shared, x.tolist()))
+    # logits of 2 vocab rows a rank, a vocabulary of 3 (rank 1's last row is padding)
+    logits = group.gather_vocab(torch.arange(4, dtype=torch.float32).view(2, 2) + 10 * rank, 3)
+    ids = group.broadcast_ids([7, 8, 9] if rank == 0 else [], 3)
+    results.put((rank, shared, x.tolist(), None if logits is None else logits.tolist(), ids))
     group.close()
 
 
 @pytest.mark.parametrize("name,shared", [("loom-test-{pid}", True), ("no-such-folder-{pid}/region", False)])
 def test_ranks_sum_through_shared_memory_or_all_keep_gloo(name, shared):
-    """Two rank processes map a region and sum through it; where it cannot be created every rank
-    keeps gloo, with the same sums. No name is left in /dev/shm either way."""
+    """Two rank processes map a region and sum, gather logits and broadcast ids through it; where it
+    cannot be created every rank keeps gloo, with the same results. No name is left in /dev/shm
+    either way."""
     import multiprocessing
     import os
 
@@ -164,5 +168,7 @@ def test_ranks_sum_through_shared_memory_or_all_keep_gloo(name, shared):
     outcomes = sorted(results.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
-    assert outcomes == [(rank, shared, [[3.0] * 5] * 3) for rank in range(2)]
+    gathered = [[0.0, 1.0, 10.0], [2.0, 3.0, 12.0]]
+    assert outcomes == [(rank, shared, [[3.0] * 5] * 3, gathered if rank == 0 else None, [7, 8, 9])
+                        for rank in range(2)]
     assert not os.path.exists(f"/dev/shm/{name}")

@@ -11,7 +11,8 @@ every rank, so the others never need the sampled ids, and sampling (penalties, s
 stays one code path over the whole vocabulary.
 
 Collectives are torch.distributed's (gloo on CPU, NCCL on GPU). On a CPU host holding every rank
-of its group, the all-reduces of the forward go through shared memory instead (share_memory).
+of its group, the forward's all-reduces, the logits' gather and the ids' broadcast go through
+shared memory instead (share_memory).
 """
 
 from __future__ import annotations
@@ -85,12 +86,13 @@ class TPGroup:
         self.device = device  # where the small tensors of broadcasts live (NCCL takes GPU tensors only)
         self.group = group  # torch.distributed's process group (None: the whole world, no pipeline stages)
         self.collective_s = 0.0
-        self._shared = None  # (region, kernels, elements a slot holds by dtype) once share_memory has mapped it
-        self._calls = 0  # shared all-reduces so far: every rank counts the same
+        self._shared = None  # (region, kernels, bytes a slot holds) once share_memory has mapped it
+        self._calls = 0  # shared calls so far: every rank counts the same
 
     def share_memory(self, name: str, kernels, nbytes: int = 16 << 20) -> bool:
         """Maps a region of shared memory (/dev/shm/`name`, unique to this group) with the other
-        ranks, through which all_reduce then sums (loom's CPU kernels: shared_memory_all_reduce).
+        ranks, through which all_reduce, gather_vocab and broadcast_ids then pass (loom's CPU
+        kernels: shared_memory_all_reduce, shared_memory_exchange).
         Rank 0 creates it and removes the name once every rank has mapped it, so nothing is left
         behind. Every rank of the group calls it, on one host; all return False (and keep gloo)
         where any of them could not open it."""
@@ -124,9 +126,7 @@ class TPGroup:
         if ok:
             region = mmap.mmap(fd, nbytes)
             shared = torch.frombuffer(region, dtype=torch.uint8)
-            slot_bytes = kernels.shared_reduce_slot_bytes(shared, self.size)
-            self._shared = (shared, kernels, {dtype: slot_bytes // dtype.itemsize
-                                              for dtype in (torch.float32, torch.bfloat16)})
+            self._shared = (shared, kernels, kernels.shared_reduce_slot_bytes(shared, self.size))
             dist.barrier(group=self.group)  # every rank has mapped it
         if fd >= 0:
             os.close(fd)
@@ -148,17 +148,26 @@ class TPGroup:
             import torch.distributed as dist
 
             start = time.perf_counter()
-            if self._shared is not None and x.is_contiguous() and x.dtype in self._shared[2]:
-                region, kernels, slot_elements = self._shared
-                flat, step = x.view(-1), slot_elements[x.dtype]
+            if self._shared is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
+                region, kernels, slot_bytes = self._shared
+                flat, step = x.view(-1), slot_bytes // x.element_size()
                 for begin in range(0, flat.numel(), step):
-                    self._calls += 1
-                    kernels.shared_memory_all_reduce(region, self.rank, self.size, self._calls,
+                    kernels.shared_memory_all_reduce(region, self.rank, self.size, self._next_call(),
                                                      flat[begin : begin + step])
             else:
                 dist.all_reduce(x, group=self.group)
             self.collective_s += time.perf_counter() - start
         return x
+
+    def _next_call(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x (of one shape) through the shared region: views valid until this rank's
+        next shared call."""
+        region, kernels, _ = self._shared
+        return kernels.shared_memory_exchange(region, self.rank, self.size, self._next_call(), x)
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise max of x over the ranks, in place; returns it."""
@@ -174,12 +183,23 @@ class TPGroup:
             return logits
         import torch.distributed as dist
 
-        logits = logits.contiguous()
-        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
         start = time.perf_counter()
-        dist.gather(logits, parts, group=self.group, group_dst=0)
+        logits = logits.contiguous()
+        rows, part = logits.shape
+        out = torch.empty(rows, part * self.size, dtype=logits.dtype) if self.rank == 0 else None
+        if self._shared is not None:  # in blocks of rows that fit a slot (at least one call: every rank the same)
+            step = max(1, self._shared[2] // max(1, part * logits.element_size()))
+            for begin in range(0, max(rows, 1), step):
+                parts = self._exchange(logits[begin : begin + step])
+                if out is not None:
+                    torch.cat(parts, dim=1, out=out[begin : begin + step])
+        else:
+            parts = [torch.empty_like(logits) for _ in range(self.size)] if out is not None else None
+            dist.gather(logits, parts, group=self.group, group_dst=0)
+            if out is not None:
+                torch.cat(parts, dim=1, out=out)
         self.collective_s += time.perf_counter() - start
-        return torch.cat(parts, dim=1)[:, :vocab_size] if parts is not None else None
+        return out[:, :vocab_size] if out is not None else None
 
     def broadcast_index(self, index: int) -> int:
         """rank 0's `index` on every rank: a choice made once (such as the dtype), as a tensor
@@ -198,9 +218,13 @@ class TPGroup:
 
         box = torch.tensor(ids if self.rank == 0 else [0] * n, dtype=torch.int64, device=self.device)
         start = time.perf_counter()
-        dist.broadcast(box, group=self.group, group_src=0)
+        if self._shared is not None and box.numel() * box.element_size() <= self._shared[2]:
+            ids = self._exchange(box)[0].tolist()
+        else:
+            dist.broadcast(box, group=self.group, group_src=0)
+            ids = box.tolist()
         self.collective_s += time.perf_counter() - start
-        return box.tolist()
+        return ids
 
     def close(self) -> None:
         if self.size > 1 and self.group is None:  # (a pipeline's groups: PPGroup.close)

@@ -78,10 +78,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] row");
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (greedy sampling)");
   m.def("shared_reduce_slot_bytes", &shared_reduce_slot_bytes,
-        "the largest tensor (bytes) shared_memory_all_reduce takes in a region for `size` ranks");
+        "the largest tensor (bytes) shared_memory_all_reduce / _exchange take in a region for `size` ranks");
   // (the GIL released while it waits for the other ranks: they may be threads of this process)
   m.def("shared_memory_all_reduce", &shared_memory_all_reduce,
         "sums x (float32 / bfloat16, in place) over the ranks mapping `region`; call seq = 1, 2, ... on every rank",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("shared_memory_exchange", &shared_memory_exchange,
+        "every rank's x (views of the region, valid until this rank's next call); call seq as for the all-reduce",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of each row");
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 namespace loom {
 // Row tiles of a register-tile kernel: `tile` rows each, except that a last tile of 1 to
@@ -79,9 +80,10 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
            int64_t head_dim);
 
 at::Tensor argmax_rows(at::Tensor x);
-// the tensor-parallel all-reduce through shared memory (shared_memory_reduce.cpp)
+// the tensor-parallel collectives through shared memory (shared_memory_reduce.cpp)
 int64_t shared_reduce_slot_bytes(const at::Tensor& region, int64_t size);
 void shared_memory_all_reduce(at::Tensor region, int64_t rank, int64_t size, int64_t seq, at::Tensor x);
+std::vector<at::Tensor> shared_memory_exchange(at::Tensor region, int64_t rank, int64_t size, int64_t seq, at::Tensor x);
 
 // Team forms (team.h), for the layer stack's one parallel region a step: every thread of the
 // region calls one with the same arguments; each ends at the team's barrier, except the linears,

@@ -1,19 +1,22 @@
-// The tensor-parallel all-reduce between the ranks of one host, through a region of shared memory
+// The tensor-parallel collectives between the ranks of one host, through a region of shared memory
 // every rank maps (TPGroup.share_memory in worker_proc/tensor_parallel.py). gloo's TCP transport
 // polls and switches threads on every call: on AMD Zen 3 with 3 ranks on 2 cores, a SmolLM2 decode
 // step (61 all-reduces) took 250 ms against 24 ms at one rank, most of it in the kernel.
 //
 // The region: one arrival counter per rank (a cache line each), then two sets of one slot per rank.
 // Call `seq` (1, 2, 3, ... the same on every rank) copies x into this rank's slot of set seq % 2,
-// publishes seq, waits until every rank has, and sums the slots in rank order into x: every rank
-// gets the same bits. A set is written again two calls later, when every rank has published the
-// call in between, so has finished reading it: no second barrier.
+// publishes seq and waits until every rank has. Then the all-reduce sums the slots in rank order
+// into x (every rank gets the same bits); the exchange hands the caller every rank's slot to read
+// (a gather, a broadcast). A set is written again two calls later, when every rank has published
+// the call in between, so has finished reading it: no second barrier.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -53,19 +56,24 @@ int64_t shared_reduce_slot_bytes(const at::Tensor& region, int64_t size) {
   return (region.numel() - size * kLine) / (2 * size) / kLine * kLine;
 }
 
-void shared_memory_all_reduce(at::Tensor region, int64_t rank, int64_t size, int64_t seq, at::Tensor x) {
+namespace {
+
+// Copies x into this rank's slot of call seq's set, publishes seq, waits for every rank; returns
+// the set (rank r's slot at r * slot_bytes).
+uint8_t* publish_and_wait(const at::Tensor& region, int64_t rank, int64_t size, int64_t seq, const at::Tensor& x,
+                          int64_t& slot_bytes) {
   TORCH_CHECK(region.scalar_type() == at::kByte && region.is_contiguous() && region.data_ptr<uint8_t>() != nullptr &&
                   reinterpret_cast<uintptr_t>(region.data_ptr<uint8_t>()) % kLine == 0,
               "region must be a cache-line aligned uint8 tensor");
-  TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be contiguous float32 or bfloat16");
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
   TORCH_CHECK(0 <= rank && rank < size && size <= 64 && seq > 0, "rank, size (at most 64 ranks), seq");
-  const int64_t slot_bytes = shared_reduce_slot_bytes(region, size), bytes = x.numel() * x.element_size();
+  slot_bytes = shared_reduce_slot_bytes(region, size);
+  const int64_t bytes = x.numel() * x.element_size();
   TORCH_CHECK(bytes <= slot_bytes, "x (", bytes, " bytes) exceeds a slot (", slot_bytes, ")");
   uint8_t* base = region.data_ptr<uint8_t>();
   uint8_t* set = base + size * kLine + (seq % 2) * size * slot_bytes;
   const auto arrived = [&](int64_t r) { return std::atomic_ref<int64_t>(*reinterpret_cast<int64_t*>(base + r * kLine)); };
-  std::memcpy(set + rank * slot_bytes, x.data_ptr(), bytes);
+  if (bytes > 0) std::memcpy(set + rank * slot_bytes, x.data_ptr(), bytes);
   arrived(rank).store(seq, std::memory_order_release);
   for (int64_t r = 0; r < size; ++r)
     for (int spins = 0; arrived(r).load(std::memory_order_acquire) < seq; ++spins)
@@ -73,6 +81,24 @@ void shared_memory_all_reduce(at::Tensor region, int64_t rank, int64_t size, int
         cpu_relax();
       else
         sched_yield();
+  return set;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> shared_memory_exchange(at::Tensor region, int64_t rank, int64_t size, int64_t seq, at::Tensor x) {
+  int64_t slot_bytes;
+  uint8_t* set = publish_and_wait(region, rank, size, seq, x, slot_bytes);
+  std::vector<at::Tensor> parts;
+  for (int64_t r = 0; r < size; ++r)
+    parts.push_back(at::from_blob(set + r * slot_bytes, x.sizes(), x.options()));
+  return parts;
+}
+
+void shared_memory_all_reduce(at::Tensor region, int64_t rank, int64_t size, int64_t seq, at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  int64_t slot_bytes;
+  uint8_t* set = publish_and_wait(region, rank, size, seq, x, slot_bytes);
   const uint8_t* slots[64];
   for (int64_t r = 0; r < size; ++r) slots[r] = set + r * slot_bytes;
   if (x.scalar_type() == at::kFloat)
