@@ -120,7 +120,7 @@ class ServerArgs:
                                      "int8 (per output row) or int4 (groups of 32, as GGUF Q4_1)",
                              choices=QUANTIZATIONS)
     kv_cache_dtype: str = _arg("auto", "dtype of the KV cache: auto (the compute dtype; float16 with --quantization "
-                                       "fp16), or a narrower one than the compute dtype: float16 or bfloat16 halve "
+                                       "fp16, and with int8 / int4 under float32 compute), or a narrower one than the compute dtype: float16 or bfloat16 halve "
                                        "a float32 cache's memory and the bytes each decode step reads",
                                choices=("auto", *KV_CACHE_DTYPES))
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")

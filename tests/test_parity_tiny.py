@@ -267,7 +267,8 @@ def test_kv_cache_dtype_choices():
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     assert resolve_kv_dtype("auto", f32) == f32 and resolve_kv_dtype("auto", bf16) == bf16
     assert resolve_kv_dtype("auto", f32, "fp16") == f16 and resolve_kv_dtype("auto", bf16, "fp16") == f16
-    assert resolve_kv_dtype("auto", f32, "int8") == f32
+    assert resolve_kv_dtype("auto", f32, "int8") == f16 and resolve_kv_dtype("auto", f32, "int4") == f16
+    assert resolve_kv_dtype("auto", bf16, "int4") == bf16
     assert resolve_kv_dtype("float16", f32) == f16 and resolve_kv_dtype("bfloat16", f32) == bf16
     assert resolve_kv_dtype("float16", bf16) == f16 and resolve_kv_dtype("bfloat16", bf16) == bf16
     for name, compute in (("float32", bf16), ("bfloat16", f16), ("float32", f16)):

@@ -16,11 +16,14 @@ _POOL_PAIRS = {(torch.float32, torch.bfloat16), (torch.float32, torch.float16), 
 
 
 def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, quantization: str = "none") -> torch.dtype:
-    """`--kv-cache-dtype`: auto stores K and V in the compute dtype, or in float16 with
-    `--quantization fp16` (half the bytes a decode step reads per cached token)."""
+    """`--kv-cache-dtype`: auto stores K and V in the compute dtype, or in float16 (half the bytes a
+    decode step reads per cached token) with `--quantization fp16`, and with int8 / int4 under
+    float32 compute, as llama.cpp keeps its cache for such weights (measured: the Zen 3 section of
+    docs/performance-notes.md)."""
     if name == "auto":
-        return torch.float16 if quantization == "fp16" and compute_dtype in (torch.float32, torch.bfloat16) \
-            else compute_dtype
+        narrower = (quantization == "fp16" and compute_dtype in (torch.float32, torch.bfloat16)) or \
+            (quantization in ("int8", "int4") and compute_dtype == torch.float32)
+        return torch.float16 if narrower else compute_dtype
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name!r}: choose auto, {', '.join(KV_CACHE_DTYPES)}")
     chosen = KV_CACHE_DTYPES[name]
