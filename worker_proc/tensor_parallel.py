@@ -187,8 +187,9 @@ class TPGroup:
         logits = logits.contiguous()
         rows, part = logits.shape
         out = torch.empty(rows, part * self.size, dtype=logits.dtype) if self.rank == 0 else None
-        if self._shared is not None:  # in blocks of rows that fit a slot (at least one call: every rank the same)
-            step = max(1, self._shared[2] // max(1, part * logits.element_size()))
+        row_bytes = part * logits.element_size()
+        if self._shared is not None and row_bytes <= self._shared[2]:
+            step = self._shared[2] // max(1, row_bytes)  # rows a slot holds (one call at least: every rank the same)
             for begin in range(0, max(rows, 1), step):
                 parts = self._exchange(logits[begin : begin + step])
                 if out is not None:
