@@ -137,6 +137,8 @@ class TorchAttention:
             if slots is None:
                 k_e = k[start : start + length].transpose(0, 1).unsqueeze(0)
                 v_e = v[start : start + length].transpose(0, 1).unsqueeze(0)
+                if kv.dtype != q.dtype:  # K/V as stored in a narrower pool, as every later step reads them
+                    k_e, v_e = k_e.to(kv.dtype).to(q.dtype), v_e.to(kv.dtype).to(q.dtype)
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 full = kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:]).to(q.dtype)  # [P+L, 2, KVH, Dh]
