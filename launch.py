@@ -120,8 +120,9 @@ class ServerArgs:
                                      "int8 (per output row) or int4 (groups of 32, as GGUF Q4_1)",
                              choices=QUANTIZATIONS)
     kv_cache_dtype: str = _arg("auto", "dtype of the KV cache: auto (the compute dtype; float16 with --quantization "
-                                       "fp16, and with int8 / int4 under float32 compute), or a narrower one than the compute dtype: float16 or bfloat16 halve "
-                                       "a float32 cache's memory and the bytes each decode step reads",
+                                       "fp16, and with int8 / int4 under float32 compute), or a narrower one than "
+                                       "the compute dtype: float16 or bfloat16 halve a float32 cache's memory and "
+                                       "the bytes each decode step reads",
                                choices=("auto", *KV_CACHE_DTYPES))
     context_length: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     schedule_policy: str = _arg("fcfs", "waiting-queue order (lpm: longest cached prefix first; dfs-weight: the "
@@ -136,7 +137,7 @@ class ServerArgs:
     num_threads: int | None = _arg(None, "torch threads in each worker (default: the cores divided among the "
                                          "tensor-parallel ranks)")
     tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
-                           "MLP columns, vocabulary rows) and run every step together (their all-reduces through "
+                           "MLP columns, vocabulary rows) and run every step together (their collectives through "
                            "shared memory on one CPU host, torch.distributed's gloo across hosts, NCCL on GPUs); "
                            "it must divide the attention heads and the MLP size")
     pp_size: int = _arg(1, "pipeline stages: the layers split into this many worker processes (each with --tp-size "

@@ -47,10 +47,10 @@ def main(config: ChildConfig, report_ready) -> None:
         elif tp_size > 1:
             tp = TPGroup.connect(rank, tp_size, init_addr, args["device"])
         kernels = load_kernels(args["kernel_backend"], args["device"], args["kernel_isa"])
-        # a group all on this CPU host sums through shared memory (every rank decides alike)
+        # a group all on this CPU host passes its collectives through shared memory (every rank decides alike)
         if kernels is not None and tp.size > 1 and args["nnodes"] == 1 and not tp.share_memory(
                 f"{Path(config.endpoints.directory).name}-dp{config.dp_rank}-pp{pp_rank}", kernels):
-            log.warning("no shared memory (/dev/shm) for the tensor-parallel ranks: their all-reduces take gloo")
+            log.warning("no shared memory (/dev/shm) for the tensor-parallel ranks: their collectives take gloo")
         dtypes = list(DTYPES.values())
         dtype, why = resolve_dtype(args["dtype"], args["device"], kernels) if index == 0 else (None, "")
         # the first worker's choice, on all (the whole world: every stage holds the same dtype)
