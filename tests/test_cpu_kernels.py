@@ -290,7 +290,7 @@ def test_small_m_linears_match_dequantized_reference(kernel, dtype, tol, m, n, k
     q8, s8 = quantize_int8(w)
     w8 = dequantize_int8(q8, s8, torch.float32)
     torch.testing.assert_close(kernel.linear_int8(x, q8, s8), F.linear(x.float(), w8).to(dtype), **scale_tol)
-    if int8_acts:  # the integer kernel's blocked layout (n = 45, 7: a part-padded last block)
+    if int8_acts:  # the integer GEMM's panels (n = 45, 7: a part-padded last panel)
         packed = kernel.pack_int8(q8)
         torch.testing.assert_close(kernel.linear_int8(x, packed, s8), F.linear(_int8_per_group(x.float()), w8).to(dtype),
                                    **scale_tol)
@@ -345,21 +345,23 @@ def test_half_linear_module_takes_the_kernel_where_it_pays(kernel, rows):
 @pytest.mark.parametrize("m", [1, 4, 9, 35])
 @pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (7, 96), (33, 160)])
 def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, n, k):
-    """The integer GEMM on pack_int4_panels' layout: 16 features a panel (n = 45, 33, 7: a part-
-    padded last one), any number of groups (96, 160: odd counts), x rounded to int8 per group of
-    32; linear_int4 takes it above one row, the same product."""
+    """The integer GEMM on pack_int4_panels' layout: 16 features a panel on AVX2 builds, 32 on
+    AVX512-VNNI ones (n = 45, 33, 7: a part-padded last one), any number of groups (96, 160: odd
+    counts), x rounded to int8 per group of 32; linear_int4 takes it above one row, the same product."""
     if not kernel.integer_panels():
-        pytest.skip("this build has no int4 panels (AVX2 builds without AVX512-VNNI)")
+        pytest.skip("this build has no integer panels (no AVX2)")
     torch.manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k) * 0.05
     q4, s4, m4 = quantize_int4(w)
     panels = kernel.pack_int4_panels(q4, s4, m4)
-    assert panels.shape == ((n + 15) // 16, k // 32, 384)
+    cols = panels.shape[2] // 24  # a group: 16 bytes of codes and two float32 a feature
+    lanes = cols // 2
+    assert cols in (16, 32) and panels.shape == ((n + cols - 1) // cols, k // 32, 24 * cols)
     # feature n - 1, group 1, element 13: part 1 (elements 8-15), byte 13 - 8 - 4 of its lane, high nibble
     groups = q4.view(n, k // 32, 16)
     codes = torch.cat((groups & 0xF, groups >> 4), dim=-1)  # [n, group, element] (GGUF: e, e + 16 share a byte)
     f = n - 1
-    lane_byte = panels[f // 16, 1, (f % 16) // 8 * 128 + 32 + (f % 8) * 4 + 1]
+    lane_byte = panels[f // cols, 1, (f % cols) // lanes * 16 * lanes + 4 * lanes + (f % lanes) * 4 + 1]
     assert lane_byte >> 4 == codes[f, 1, 13] and lane_byte & 0xF == codes[f, 1, 9]
     y = kernel.linear_int4_panels(x, panels, n)
     assert y.dtype == dtype and y.shape == (m, n)
@@ -373,18 +375,23 @@ def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
 @pytest.mark.parametrize("m", [1, 4, 9, 35])
 @pytest.mark.parametrize("n,k", [(960, 576), (45, 1536), (7, 96), (33, 160)])
 def test_int8_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, n, k):
-    """int8 weights on AVX2 builds: pack_int8 lays them out in the integer GEMM's panels (16
-    features, part-padded last ones; odd group counts), linear_int8 takes them at every row count
-    with x rounded to int8 per group of 32, and dequantize_int8 reads them back exactly."""
+    """int8 weights: pack_int8 lays them out in the integer GEMM's panels (16 features on AVX2
+    builds, 32 on AVX512-VNNI ones stored + 128 as uint8; part-padded last ones; odd group counts),
+    linear_int8 takes them at every row count with x rounded to int8 per group of 32, and
+    dequantize_int8 reads them back exactly."""
     if not kernel.integer_panels():
-        pytest.skip("this build has no integer panels (AVX2 builds without AVX512-VNNI)")
+        pytest.skip("this build has no integer panels (no AVX2)")
     torch.manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k) * 0.05
     q8, s8 = quantize_int8(w)
     panels = kernel.pack_int8(q8)
-    assert panels.dtype == torch.int8 and panels.shape == ((n + 15) // 16, k // 32, 512)
-    f, g, e = n - 1, 2, 13  # group 2, input 13: step 3, byte 1; feature f: vector (f % 16) // 8, lane f % 8
-    assert panels[f // 16, g, 3 * 64 + (f % 16) // 8 * 32 + (f % 8) * 4 + 1] == q8[f, 32 * g + e]
+    cols = panels.shape[2] // 32
+    lanes, offset = cols // 2, 128 if panels.dtype == torch.uint8 else 0
+    assert (cols, panels.dtype) in ((16, torch.int8), (32, torch.uint8))
+    assert panels.shape == ((n + cols - 1) // cols, k // 32, 32 * cols)
+    f, g, e = n - 1, 2, 13  # group 2, input 13: step 3, byte 1; feature f: vector (f % cols) // lanes, lane f % lanes
+    code = panels[f // cols, g, 3 * 8 * lanes + (f % cols) // lanes * 4 * lanes + (f % lanes) * 4 + 1]
+    assert int(code) - offset == q8[f, 32 * g + e]
     w8 = dequantize_int8(q8, s8, torch.float32)
     assert torch.equal(kernel.dequantize_int8(panels, s8, torch.float32), w8)
     y = kernel.linear_int8(x, panels, s8)
@@ -397,7 +404,7 @@ def test_integer_panels_rows_do_not_depend_on_the_step(kernel, scheme):
     """A row's output is the same bits whatever else is in the step: large steps quantize x into
     the tiles' strips (tails of 1-3 rows included), smaller ones by rows."""
     if not kernel.integer_panels():
-        pytest.skip("this build has no integer panels (AVX2 builds without AVX512-VNNI)")
+        pytest.skip("this build has no integer panels (no AVX2)")
     torch.manual_seed(7)
     x, w = torch.randn(603, 160), torch.randn(45, 160) * 0.05
     if scheme == "int4":

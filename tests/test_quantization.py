@@ -49,10 +49,9 @@ def test_int4_reproduces_gguf_q4_1_blocks(default_model_dir, layer, gguf_name, h
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_int8_linear_on_the_kernels_layout(rows):
-    """A bfloat16 Int8Linear keeps its weights in the layout of the loaded kernels' integer
-    products (pack_int8's blocks on VNNI CPUs, the integer GEMM's panels on AVX2 ones); decode rows
-    (the kernel) and prefill rows (the panels, or widened weights) both compute x @ W.T of the
-    dequantized weights."""
+    """A bfloat16 Int8Linear keeps its weights in the integer GEMM's panels where the loaded kernels
+    have integer products (AVX2 or AVX512-VNNI); decode rows and prefill rows both compute x @ W.T
+    of the dequantized weights."""
     import torch.nn.functional as F
 
     from worker_proc import cpu_kernels
@@ -66,7 +65,7 @@ def test_int8_linear_on_the_kernels_layout(rows):
     weight = (torch.randn(200, 576) * 0.05).to(torch.bfloat16)
     linear = Int8Linear(weight, None, Ops(kernels, small_m_rows=8))
     q, scale = quantize_int8(weight)
-    layout = 3 if kernels.integer_panels() else 4 if kernels.quantized_int8_activations(torch.bfloat16) else 2
+    layout = 3 if kernels.integer_panels() else 2
     assert linear.qweight.dim() == layout
     dequantized = linear.dequantized(torch.float32)
     assert torch.equal(dequantized, q.float() * scale[:, None])

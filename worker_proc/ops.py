@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from worker_proc import onednn_linear
 
 INT4_GROUP = 32  # weights per int4 scale/min group (the GGUF Q4 block size)
-_INT8_PACK_STEP = 64  # pack_int8 interleaves rows per 64 inputs (VNNI) or 32 (AVX2)
+_INT8_PACK_STEP = 32  # pack_int8's panels take inputs in groups of 32
 
 
 class Ops:
@@ -146,8 +146,8 @@ class Ops:
         return F.linear(x, unpack_half(qweight, out_features, x.shape[1]).to(x.dtype), bias)
 
     def pack_int8(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """q [N, K] in the layout the int8 kernel streams fastest for activations of `dtype`:
-        where those are quantized to int8 (integer dot products), blocks of interleaved weight rows."""
+        """q [N, K] in the layout of the int8 kernel for activations of `dtype`: where those are
+        quantized to int8 (integer dot products), the integer GEMM's panels."""
         if (self.kernels is not None and q.shape[1] % _INT8_PACK_STEP == 0
                 and self.kernels.quantized_int8_activations(dtype)):
             return self.kernels.pack_int8(q)
@@ -186,8 +186,8 @@ class Ops:
 # ---- weight-only quantization formats -------------------------------------------------------------
 
 def int8_panels(qweight: torch.Tensor) -> bool:
-    """Whether int8 weights are in the integer GEMM's panels (pack_int8 on AVX2 builds), which the
-    kernel takes at every row count."""
+    """Whether int8 weights are in the integer GEMM's panels (pack_int8), which the kernel takes at
+    every row count."""
     return qweight.dim() == 3
 
 

@@ -57,11 +57,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("w"), pybind11::arg("gated") = false);
   m.def("packed_bf16_rows", &packed_bf16_rows, "rows of x up to which linear_dense takes pack_dense_bf16's weights (0: never packed)");
   m.def("amx_bf16", &amx_bf16, "whether this build multiplies bfloat16 linears on AMX tiles (and the OS allows them)");
-  m.def("linear_int8", &linear_int8, "x @ w.T, int8 weights (as quantized: few rows of x; or from pack_int8: few rows on VNNI builds, any count on AVX2 ones) with per-row scales");
-  m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the layout of linear_int8's integer kernel (VNNI: blocks; AVX2: panels)");
+  m.def("linear_int8", &linear_int8, "x @ w.T, int8 weights (as quantized: few rows of x; or from pack_int8: any count) with per-row scales");
+  m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the panels of linear_int8's integer GEMM (VNNI and AVX2 builds)");
   m.def("linear_int4", &linear_int4, "x @ w.T on packed int4 weights with group scale/min (panels: from pack_int4_panels, for more than one row)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("minimum"), pybind11::arg("panels") = pybind11::none());
-  m.def("integer_panels", &integer_panels, "whether this build has the integer GEMM panels (linear_int4_panels; pack_int8's layout): AVX2 integer products, not on AVX512-VNNI builds");
+  m.def("integer_panels", &integer_panels, "whether this build has the integer GEMM panels (linear_int4_panels; pack_int8's layout): AVX2 or AVX512-VNNI integer products");
   m.def("pack_int4_panels", &pack_int4_panels, "int4 codes [N, K/2] with float16 scale/min [N, K/32] in the panels of linear_int4_panels");
   m.def("linear_int4_panels", &linear_int4_panels, "x @ w.T [M, n] on pack_int4_panels' weights, int8 activations per group of 32");
   m.def("dense_f32_rows", &dense_f32_rows, "rows of x up to which float32 linear_dense beats torch's GEMM (0: few)");

@@ -1,22 +1,26 @@
-// int4 and int8 linears on AVX2 integer products (CPUs without AVX512-VNNI): the weights packed
-// once at load into panels of 16 output features, x quantized per call to int8 per group of 32
-// (llama.cpp's Q8 activations, as the streaming kernels do).
+// int4 and int8 linears on integer products: the weights packed once at load into panels of
+// 2 x kLanes output features (two vectors of int32 sums), x quantized per call to int8 per group of
+// 32 (llama.cpp's Q8 activations, as the streaming kernels do).
 //
 // Each 32-bit lane of an accumulator is one output feature, so no horizontal sums are needed:
-// four codes of 8 features (one 32-byte vector, a byte per product) meet four codes of x
-// broadcast to every lane in vpmaddubsw.
-// - int4 (GGUF Q4_1 groups): unsigned codes <= 15 by signed x, a pair sums to at most
+// four codes of a feature per lane meet four codes of x broadcast to every lane.
+// - AVX512-VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to each of 16 int32 lanes,
+//   without saturation): panels of 32 features. int4 codes (<= 15) are the unsigned side as they
+//   are; int8 weights are stored as w + 128, and each group's int32 sums start at -128 * sum(q) of
+//   its row of x, which takes the offset off.
+// - AVX2 (vpmaddubsw, pairs summed to saturating int16): panels of 16 features.
+//   int4 (GGUF Q4_1 groups): unsigned codes <= 15 by signed x, a pair sums to at most
 //   2 * 15 * 127, and a group's 8 such int16 products add up without saturating (8 * 3810 <
 //   32767), so a 32-product group costs one vpmaddubsw and one vpaddw per 8 features and row,
-//   twice the float32 FMA's products per instruction. Per group, the sums widen to int32
-//   (vpmaddwd), turn float and take the group's scales:
-//     y[r, n] = sum_g scale[n, g] * dx[r, g] * (codes[n, g] . q[r, g]) + min[n, g] * sum(x[r, g]).
-//   Measured on AMD Zen 3 (one core, data in L1): 213-223 GFLOP/s-equivalent for tiles of 4 rows x
-//   16 features, against the float32 FMA peak of ~100.
-// - int8 (one scale per output feature): the unsigned side is |w| and x takes w's signs
-//   (vpsignb), so no pair passes 2 * 127 * 127; each pair sum widens to int32 at once (vpmaddwd)
-//   and a group's int32 sums take x's scale:  y[r, n] = scale[n] * sum_g dx[r, g] * (w[n, g] . q[r, g]).
+//   twice the float32 FMA's products per instruction. Measured on AMD Zen 3 (one core, data in
+//   L1): 213-223 GFLOP/s-equivalent for tiles of 4 rows x 16 features, against the float32 FMA
+//   peak of ~100.
+//   int8 (one scale per output feature): the unsigned side is |w| and x takes w's signs
+//   (vpsignb), so no pair passes 2 * 127 * 127; each pair sum widens to int32 at once (vpmaddwd).
 //   4 x 16 tiles ran at 130 GFLOP/s-equivalent there (the row-at-a-time kernel before: 94).
+// Per group, the int32 sums turn float and take the scales:
+//   int4: y[r, n] = sum_g scale[n, g] * dx[r, g] * (codes[n, g] . q[r, g]) + min[n, g] * sum(x[r, g])
+//   int8: y[r, n] = scale[n] * sum_g dx[r, g] * (w[n, g] . q[r, g])
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -26,6 +30,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #include "team.h"
@@ -34,38 +39,61 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;       // products per x scale (and int4 scale / min: the GGUF Q4_1 block)
-constexpr int64_t kPanelCols = 16;   // output features of a panel: two int32 vectors of 8
-constexpr int64_t kCodeBytes = 256;  // an int4 panel's codes of one group: 2 vectors x 4 x 32 bytes
-// An int4 panel's group: its codes, then the 16 features' scales and mins (float32).
+constexpr int64_t kGroup = 32;  // products per x scale (and int4 scale / min: the GGUF Q4_1 block)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LOOM_INTEGER_PANELS 1
+#define LOOM_VNNI_PANELS 1
+constexpr int64_t kLanes = 16;  // output features per vector of int32 sums
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOOM_INTEGER_PANELS 1
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 8;  // (the layouts only: nothing multiplies them on this build)
+#endif
+constexpr int64_t kPanelCols = 2 * kLanes;          // output features of a panel: two vectors
+constexpr int64_t kCodeBytes = kPanelCols * kGroup / 2;  // an int4 panel's codes of one group
+// An int4 panel's group: its codes, then the features' scales and mins (float32).
 constexpr int64_t kPanelGroupBytes = kCodeBytes + 2 * kPanelCols * sizeof(float);
-constexpr int64_t kInt8GroupBytes = kPanelCols * kGroup;  // an int8 panel's group: 8 steps x 2 vectors x 32
+constexpr int64_t kInt8GroupBytes = kPanelCols * kGroup;  // an int8 panel's group: 8 steps x 2 vectors
+// int8 panels hold w + 128 on VNNI (vpdpbusd's unsigned side), w itself on AVX2.
+#if defined(LOOM_VNNI_PANELS)
+constexpr auto kInt8PanelType = at::kByte;
+using Int8PanelCode = uint8_t;
+#else
+constexpr auto kInt8PanelType = at::kChar;
+using Int8PanelCode = int8_t;
+#endif
 // Tiles of one or two rows stream the weights: each step fetches a line this far ahead (8 groups).
 constexpr int64_t kInt8Ahead = 8 * kInt8GroupBytes;
 
-// Built where the CPU has AVX2 but not AVX512-VNNI: measured on AMD Zen 3 only. VNNI CPUs keep
-// their vpdpbusd kernels for few rows and widened weights on their bfloat16 GEMM (AMX on the Xeon)
-// for more, until the panels are measured against those there.
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-#define LOOM_INTEGER_PANELS 1
-constexpr int kTileRows = 4;  // rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40)
+#if defined(LOOM_INTEGER_PANELS)
+#if defined(LOOM_VNNI_PANELS)
+constexpr int kTileRows = 4;  // rows of x per tile
+// x always in strips: the tiles' loads of x then sit at fixed offsets from one pointer (per-row
+// pointers spilled to the stack: 117 against ... GOP/s on one core of a Cascade Lake Xeon)
+constexpr int64_t kStripRows = 1;
+#else
+constexpr int kTileRows = 4;  // rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40 on Zen 3)
 constexpr int64_t kStripRows = 256;  // steps of this many rows or more quantize x into strips (Int8Groups)
+#endif
 
-// Codes of group g, vector v (features 8 v .. 8 v + 7) in the panel layout: 4 x 32 bytes, part p
-// holding, in lane l, byte j: element 8 p + j (low nibble) and 8 p + 4 + j (high nibble) of feature
-// 8 v + l. So one load feeds two vpmaddubsw: the low nibbles against x[8p : 8p+4], the high ones
-// against x[8p+4 : 8p+8].
+// Codes of group g, vector v (features kLanes v .. kLanes v + kLanes - 1) in the panel layout: 4
+// parts of 4 kLanes bytes, part p holding, in lane l, byte j: element 8 p + j (low nibble) and
+// 8 p + 4 + j (high nibble) of feature kLanes v + l. So one load feeds two products: the low
+// nibbles against x[8p : 8p+4], the high ones against x[8p+4 : 8p+8].
 struct Int4Panels {
   const uint8_t* data;
   int64_t groups;
   const uint8_t* group(int64_t panel, int64_t g) const { return data + (panel * groups + g) * kPanelGroupBytes; }
 };
 
-// x quantized per row and group: q [m][k], dx and the (unquantized) sum [m][k / 32].
+// x quantized per row and group: q [m][k], dx and the (unquantized) sum [m][k / 32]; on VNNI also
+// -128 * the sum of each group's codes (int8 weights' offset).
 struct Int8Groups {
   int8_t* q;
   float* dx;
   float* sum;
+  int32_t* offset;
   int64_t k, groups;
   // With strips, q lies as the tiles read it: per tile of rows, per group, each row's 32 codes (one
   // stream a tile where x outgrows L2). int4 on the model's shapes (Zen 3, 2 threads, outputs
@@ -88,7 +116,7 @@ struct Int8Groups {
 // One group of 32 inputs of one row: int8 codes (round to nearest, as the scalar kernels'
 // nearbyint), its scale and its sum.
 template <typename T>
-inline void quantize_group(const T* x, int8_t* q, float& dx, float& sum) {
+inline void quantize_group(const T* x, int8_t* q, float& dx, float& sum, int32_t* offset) {
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = loom::load8(x + 8 * i);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -102,6 +130,13 @@ inline void quantize_group(const T* x, int8_t* q, float& dx, float& sum) {
   const __m256 inv = _mm256_set1_ps(most > 0.f ? 127.f / most : 0.f);
   __m256i i32[4];
   for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  if (offset) {
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+    *offset = -128 * _mm_cvtsi128_si32(t4);
+  }
   // packs work within 128-bit halves: bytes come out as 0-3 8-11 16-19 24-27 4-7 12-15 20-23 28-31
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
   const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -114,12 +149,138 @@ void quantize_rows(const T* x, int64_t m, const Int8Groups& qx) {
     for (int64_t i = begin; i < end; ++i)
       for (int64_t g = 0; g < qx.groups; ++g) {
         const int64_t at = i * qx.groups + g;
-        quantize_group(x + i * qx.k + g * kGroup, qx.at(i, g), qx.dx[at], qx.sum[at]);
+        quantize_group(x + i * qx.k + g * kGroup, qx.at(i, g), qx.dx[at], qx.sum[at],
+                       qx.offset ? qx.offset + at : nullptr);
       }
   });
 }
 
-// R rows of x times one int4 panel: y[r, 0:cols] for the panel's features (cols < 16 for a last
+#if defined(LOOM_VNNI_PANELS)
+// A tile row's kPanelCols sums to y[0 : cols].
+template <typename T>
+inline void store_row(const __m512 sums[2], T* y, int64_t cols) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cols == kPanelCols) {
+      _mm512_storeu_ps(y, sums[0]);
+      _mm512_storeu_ps(y + 16, sums[1]);
+      return;
+    }
+  }
+  alignas(64) float out[kPanelCols];
+  _mm512_store_ps(out, sums[0]);
+  _mm512_store_ps(out + 16, sums[1]);
+  for (int64_t c = 0; c < cols; ++c) y[c] = static_cast<T>(out[c]);
+}
+
+// R rows of x times one int4 panel: y[r, 0:cols] for the panel's features (cols < kPanelCols for a
+// last panel past N). The tiles stay inlined: GCC keeps a separate function's accumulators on the
+// stack.
+template <int R, typename T>
+__attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_t panel, const Int8Groups& qx,
+                                                      int64_t row0, T* y, int64_t ldy, int64_t cols) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int8_t* xq = qx.tile_codes(row0);
+  constexpr int64_t x_row = kGroup, x_group = R * kGroup;  // (strips)
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* codes = w.group(panel, g);
+    const int8_t* xg = xq + g * x_group;
+    __m512i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      __m512i raw[2];
+      for (int v = 0; v < 2; ++v) raw[v] = _mm512_loadu_si512(codes + v * 256 + p * 64);
+#pragma GCC unroll 2
+      for (int high = 0; high < 2; ++high) {
+        __m512i wv[2];
+        for (int v = 0; v < 2; ++v) wv[v] = _mm512_and_si512(high ? _mm512_srli_epi16(raw[v], 4) : raw[v], low4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xg + r * x_row + 8 * p + 4 * high, sizeof(four));
+          const __m512i xb = _mm512_set1_epi32(four);
+          for (int v = 0; v < 2; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], wv[v], xb);
+        }
+      }
+    }
+    const float* scales = reinterpret_cast<const float*>(codes + kCodeBytes);
+    const float* mins = scales + kPanelCols;
+    for (int v = 0; v < 2; ++v) {
+      const __m512 scale = _mm512_loadu_ps(scales + 16 * v), minimum = _mm512_loadu_ps(mins + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (row0 + r) * qx.groups + g;
+        const __m512 dot = _mm512_cvtepi32_ps(sums[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(qx.dx[at])), acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(qx.sum[at]), acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row(acc[r], y + r * ldy, cols);
+}
+
+// int8 weights + 128 [ceil(N/32), K/32, 1024] (pack_int8_panels): group g, step s (inputs 4 s ..
+// 4 s + 3), vector v: 64 bytes, lane l = the 4 codes of feature 16 v + l.
+template <int R, typename T>
+__attribute__((always_inline)) inline void int8_tile(const uint8_t* panel, int64_t groups, const float* scale,
+                                                     const Int8Groups& qx, int64_t row0, T* y, int64_t ldy,
+                                                     int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int8_t* xq = qx.tile_codes(row0);
+  constexpr int64_t x_row = kGroup, x_group = R * kGroup;  // (strips)
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* codes = panel + g * kInt8GroupBytes;
+    const int8_t* xg = xq + g * x_group;
+    __m512i sums[R][2];
+    // (one row: two chains of sums a vector, odd and even steps, so that vpdpbusd's latency hides)
+    constexpr int chains = R == 1 ? 2 : 1;
+    __m512i odd[R][2];
+    for (int r = 0; r < R; ++r) {
+      sums[r][0] = sums[r][1] = _mm512_set1_epi32(qx.offset[(row0 + r) * qx.groups + g]);
+      odd[r][0] = odd[r][1] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int step = 0; step < 8; ++step) {
+      __m512i wv[2];
+      if constexpr (R <= 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(codes + kInt8Ahead + step * 128), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + kInt8Ahead + step * 128 + 64), _MM_HINT_T0);
+      }
+      for (int v = 0; v < 2; ++v) wv[v] = _mm512_loadu_si512(codes + step * 128 + v * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xg + r * x_row + 4 * step, sizeof(four));
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int v = 0; v < 2; ++v) {
+          __m512i& chain = chains == 2 && step % 2 ? odd[r][v] : sums[r][v];
+          chain = _mm512_dpbusd_epi32(chain, wv[v], xb);
+        }
+      }
+    }
+    if constexpr (chains == 2)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 2; ++v) sums[r][v] = _mm512_add_epi32(sums[r][v], odd[r][v]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(qx.dx[(row0 + r) * qx.groups + g]);
+      for (int v = 0; v < 2; ++v) acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), dx, acc[r][v]);
+    }
+  }
+  const __mmask16 live[2] = {static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1),
+                             static_cast<__mmask16>(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1)};
+  __m512 feature_scale[2];
+  for (int v = 0; v < 2; ++v) feature_scale[v] = _mm512_maskz_loadu_ps(live[v], scale + 16 * v);
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 2; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], feature_scale[v]);
+    store_row(acc[r], y + r * ldy, cols);
+  }
+}
+#else
+// R rows of x times one int4 panel: y[r, 0:cols] for the panel's features (cols < kPanelCols for a
 // panel past N). The tiles stay inlined: GCC keeps a separate function's accumulators on the stack.
 template <int R, typename T>
 __attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_t panel, const Int8Groups& qx,
@@ -182,7 +343,7 @@ __attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_
 // int8 weights [ceil(N/16), K/32, 512] (pack_int8_panels): group g, step s (inputs 4 s .. 4 s + 3),
 // vector v: 32 bytes, lane l = the 4 codes of feature 8 v + l.
 template <int R, typename T>
-__attribute__((always_inline)) inline void int8_tile(const int8_t* panel, int64_t groups, const float* scale,
+__attribute__((always_inline)) inline void int8_tile(const Int8PanelCode* panel, int64_t groups, const float* scale,
                                                      const Int8Groups& qx, int64_t row0, T* y, int64_t ldy,
                                                      int64_t cols) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -191,7 +352,7 @@ __attribute__((always_inline)) inline void int8_tile(const int8_t* panel, int64_
   const int8_t* xq = qx.tile_codes(row0);
   const int64_t x_row = qx.row_step(), x_group = qx.group_step(R);
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* codes = panel + g * kInt8GroupBytes;
+    const Int8PanelCode* codes = panel + g * kInt8GroupBytes;
     const int8_t* xg = xq + g * x_group;
     __m256i sums[R][2];
 #pragma GCC unroll 8
@@ -230,7 +391,9 @@ __attribute__((always_inline)) inline void int8_tile(const int8_t* panel, int64_
   }
 }
 
-// Every row of x times one panel of 16 features (y's columns n0 .. n0 + cols), kTileRows rows a
+#endif
+
+// Every row of x times one panel of kPanelCols features (y's columns n0 .. n0 + cols), kTileRows rows a
 // tile: tile(R, row0, y_at_row0, cols) with R as a compile-time constant.
 template <typename T, typename Tile>
 void run_panel(int64_t panel, int64_t m, T* y, int64_t n_out, Tile tile) {
@@ -253,8 +416,14 @@ at::Tensor linear_panels_as(const at::Tensor& x, int64_t panels, int64_t n_out, 
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
   auto codes = at::empty({m, k}, x.options().dtype(at::kChar));
   auto scales = at::empty({2, m, groups}, x.options().dtype(at::kFloat));
-  const Int8Groups qx{codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(), k, groups,
-                      m, m >= kStripRows};
+#if defined(LOOM_VNNI_PANELS)
+  auto offsets = at::empty({m, groups}, x.options().dtype(at::kInt));
+  int32_t* offset = offsets.data_ptr<int32_t>();
+#else
+  int32_t* offset = nullptr;
+#endif
+  const Int8Groups qx{codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(), offset, k,
+                      groups, m, m >= kStripRows};
   quantize_rows(x.data_ptr<T>(), m, qx);
   auto out = at::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
@@ -289,7 +458,7 @@ at::Tensor linear_int4_panels_as(const at::Tensor& x, const Int4Panels& w, int64
 }
 
 template <typename T>
-at::Tensor linear_int8_panels_as(const at::Tensor& x, const int8_t* w, int64_t panels, const float* scale,
+at::Tensor linear_int8_panels_as(const at::Tensor& x, const Int8PanelCode* w, int64_t panels, const float* scale,
                                  int64_t n_out) {
   const int64_t groups = x.size(1) / kGroup;
   return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
@@ -311,7 +480,8 @@ bool integer_panels() {
 }
 
 // uint8 [N, K/2] in GGUF Q4 order (linear_int4's layout) with float16 scale / min [N, K/32] ->
-// the panels: [ceil(N/16), K/32] groups of kPanelGroupBytes (features past N: zero codes and scales).
+// the panels: [ceil(N / kPanelCols), K/32] groups of kPanelGroupBytes (features past N: zero codes
+// and scales).
 at::Tensor pack_int4_panels(at::Tensor w, at::Tensor scale, at::Tensor minimum) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte, "pack_int4_panels: uint8 [N, K/2] codes");
   const int64_t n = w.size(0), k = 2 * w.size(1), groups = k / kGroup;
@@ -337,10 +507,10 @@ at::Tensor pack_int4_panels(at::Tensor w, at::Tensor scale, at::Tensor minimum) 
           const uint8_t* group = src + feature * (k / 2) + g * (kGroup / 2);
           // element e of a GGUF group: byte e % 16, low nibble for e < 16
           const auto code = [&](int64_t e) { return e < 16 ? group[e] & 0xF : group[e - 16] >> 4; };
-          const int64_t v = c / 8, lane = c % 8;
+          const int64_t v = c / kLanes, lane = c % kLanes;
           for (int64_t p = 0; p < 4; ++p)
             for (int64_t j = 0; j < 4; ++j)
-              out[v * 128 + p * 32 + lane * 4 + j] = static_cast<uint8_t>(code(8 * p + j) | code(8 * p + 4 + j) << 4);
+              out[v * 16 * kLanes + p * 4 * kLanes + lane * 4 + j] = static_cast<uint8_t>(code(8 * p + j) | code(8 * p + 4 + j) << 4);
           scales[c] = sp[feature * groups + g];
           scales[kPanelCols + c] = mp[feature * groups + g];
         }
@@ -360,44 +530,47 @@ at::Tensor linear_int4_panels(at::Tensor x, at::Tensor panels, int64_t n_out) {
   TORCH_CHECK(xc.scalar_type() == at::kBFloat16, "linear_int4_panels: float32 or bfloat16 x");
   return linear_int4_panels_as<c10::BFloat16>(xc, w, panels.size(0), n_out);
 #else
-  TORCH_CHECK(false, "linear_int4_panels needs AVX2 (see integer_panels())");
+  TORCH_CHECK(false, "linear_int4_panels needs AVX2 or AVX512-VNNI (see integer_panels())");
 #endif
 }
 
-// int8 [N, K] (K a multiple of 32) -> [ceil(N/16), K/32, 512]: panel p, group g, step s, vector v,
-// lane l, byte j = W[16 p + 8 v + l, 32 g + 4 s + j] (features past N: zero codes).
+// int8 [N, K] (K a multiple of 32) -> [ceil(N / kPanelCols), K/32, 32 kPanelCols]: panel p, group g,
+// step s, vector v, lane l, byte j = W[kPanelCols p + kLanes v + l, 32 g + 4 s + j] (features past N:
+// zero weights), + 128 as uint8 on VNNI builds.
 at::Tensor pack_int8_panels(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) % kGroup == 0,
               "pack_int8_panels: int8 [N, K] with K a multiple of 32");
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanelCols - 1) / kPanelCols;
-  auto padded = at::zeros({panels * kPanelCols, k}, w.options());
+  auto padded = at::zeros({panels * kPanelCols, k}, w.options().dtype(at::kShort));
   padded.narrow(0, 0, n).copy_(w);
+  if (kInt8PanelType == at::kByte) padded.add_(128);
   // [p, v, l, g, s, j] -> [p, g, s, v, l, j]
-  return padded.view({panels, 2, 8, k / kGroup, 8, 4}).permute({0, 3, 4, 1, 2, 5}).contiguous()
-      .view({panels, k / kGroup, kInt8GroupBytes});
+  return padded.to(kInt8PanelType).view({panels, 2, kLanes, k / kGroup, 8, 4}).permute({0, 3, 4, 1, 2, 5})
+      .contiguous().view({panels, k / kGroup, kInt8GroupBytes});
 }
 
-// The [N, K] codes of pack_int8_panels' layout (n features).
+// The int8 [N, K] weights of pack_int8_panels' layout (n features).
 at::Tensor unpack_int8_panels(at::Tensor panels, int64_t n) {
   const int64_t count = panels.size(0), groups = panels.size(1);
-  return panels.view({count, groups, 8, 2, 8, 4}).permute({0, 3, 4, 1, 2, 5}).reshape({count * kPanelCols, groups * kGroup})
-      .narrow(0, 0, n);
+  auto codes = panels.view({count, groups, 8, 2, kLanes, 4}).permute({0, 3, 4, 1, 2, 5})
+      .reshape({count * kPanelCols, groups * kGroup}).narrow(0, 0, n);
+  return panels.scalar_type() == at::kByte ? codes.to(at::kShort).sub(128).to(at::kChar) : codes;
 }
 
 at::Tensor linear_int8_panels(at::Tensor x, at::Tensor panels, at::Tensor scale) {
 #if defined(LOOM_INTEGER_PANELS)
   const int64_t n_out = scale.numel();
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.scalar_type() == at::kChar &&
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.scalar_type() == kInt8PanelType &&
                   panels.size(2) == kInt8GroupBytes && panels.size(0) * kPanelCols >= n_out &&
                   x.size(1) == panels.size(1) * kGroup && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               "linear_int8_panels: x [M, K], panels from pack_int8_panels of K / 32 groups, float32 scale [N]");
   const auto xc = x.contiguous();
-  const int8_t* w = panels.data_ptr<int8_t>();
+  const auto* w = static_cast<const Int8PanelCode*>(panels.data_ptr());
   if (xc.scalar_type() == at::kFloat)
     return linear_int8_panels_as<float>(xc, w, panels.size(0), scale.data_ptr<float>(), n_out);
   TORCH_CHECK(xc.scalar_type() == at::kBFloat16, "linear_int8_panels: float32 or bfloat16 x");
   return linear_int8_panels_as<c10::BFloat16>(xc, w, panels.size(0), scale.data_ptr<float>(), n_out);
 #else
-  TORCH_CHECK(false, "linear_int8_panels needs AVX2 (see integer_panels())");
+  TORCH_CHECK(false, "linear_int8_panels needs AVX2 or AVX512-VNNI (see integer_panels())");
 #endif
 }

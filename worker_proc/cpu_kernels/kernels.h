@@ -49,15 +49,16 @@ at::Tensor pack_dense_bf16(at::Tensor w, bool gated = false);
 at::Tensor linear_packed_bf16(at::Tensor x, at::Tensor packed);
 at::Tensor linear_int8(at::Tensor x, at::Tensor w, at::Tensor scale);
 at::Tensor pack_int8(at::Tensor w);
-// linear_int4: panels (pack_int4_panels of the same weights) take every x of more than one row.
+// linear_int4: panels (pack_int4_panels of the same weights) take every x of more than one row
+// (of one row too on VNNI builds).
 at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
                        std::optional<at::Tensor> panels = std::nullopt);
 bool quantized_int8_activations(at::ScalarType dtype);
 // int4 and int8 linears of any row count (integer_panels.cpp): the weights in panels of 16 output
-// features, x quantized to int8 per group of 32. pack_int4_panels lays linear_int4's codes, scales
-// and mins out, linear_int4_panels(x, panels, n) = x @ W.T [M, n]; pack_int8_panels lays int8 [N, K]
-// out (pack_int8 on these builds), linear_int8_panels(x, panels, scale) = x @ (W * scale).T.
-// integer_panels(): whether this build has them (AVX2 builds without AVX512-VNNI).
+// features (AVX2) or 32 (AVX512-VNNI), x quantized to int8 per group of 32. pack_int4_panels lays
+// linear_int4's codes, scales and mins out, linear_int4_panels(x, panels, n) = x @ W.T [M, n];
+// pack_int8_panels lays int8 [N, K] out (pack_int8), linear_int8_panels(x, panels, scale) =
+// x @ (W * scale).T. integer_panels(): whether this build has them (AVX2 or AVX512-VNNI).
 bool integer_panels();
 at::Tensor pack_int4_panels(at::Tensor w, at::Tensor scale, at::Tensor minimum);
 at::Tensor linear_int4_panels(at::Tensor x, at::Tensor panels, int64_t n);

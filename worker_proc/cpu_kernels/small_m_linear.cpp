@@ -2,8 +2,8 @@
 // memory is the cost. The weights are widened to float32 in registers as they are read, and
 // each widened vector of W serves up to four rows of x. Weight formats:
 //   dense  W float32 / bfloat16 [N, K]
-//   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n]; on VNNI, the
-//          blocked layout of pack_int8
+//   int8   W int8 [N, K], one float32 scale per output row:  w = q * scale[n] (pack_int8's
+//          panels go to integer_panels.cpp)
 //   int4   W uint8 [N, K/2] in groups of 32 (GGUF Q4 order: byte i of a group holds element i in
 //          its low nibble and element i+16 in its high one), per group float16 scale and min:
 //          w = q * scale + min (the GGUF Q4_1 block, 20 bytes per 32 weights)
@@ -101,13 +101,11 @@ inline float half_to_float(const at::Half h) {
 
 constexpr int64_t kGroup = 32;   // int4 group size (GGUF Q4_0 / Q4_1 blocks)
 // Integer dot products of int8 activations: AVX512-VNNI (vpdpbusd) or AVX2 (vpmaddubsw).
+// (int8 weights of pack_int8, and int4 ones beside their panels: integer_panels.cpp)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LOOM_VNNI 1
-constexpr int64_t kInt8Block = 16;  // output rows interleaved by pack_int8
-constexpr int64_t kInt8Step = 64;   // inputs per row per step of a block
-constexpr auto kPackedInt8 = at::kByte;  // codes + 128: vpdpbusd's unsigned side
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define LOOM_AVX2_INT 1  // (int8 weights: integer_panels.cpp)
+#define LOOM_AVX2_INT 1
 #endif
 constexpr int64_t kXBlock = 4;      // rows of x sharing each read of W
 constexpr int64_t kPrefetchRows = 16;
@@ -115,7 +113,6 @@ constexpr int64_t kPrefetchRows = 16;
 // kernels then walk rows of W one at a time (one stream the hardware prefetcher follows), where
 // walking several row-major rows together (sharing each load of x) interleaves their reads.
 // Measured on Zen 4: row-major int8 at batch 1 13 -> 21 GB/s; bf16 at 4-8 rows 15-25% faster.
-// (pack_int8's blocks get both: 16 rows share x and still read one stream.)
 constexpr int64_t kStreamRows = 8;
 
 // Each format: load(n, k) -> W[n, k : k + kLanes] widened, at(n, k) -> W[n, k] (the last k % (2 kLanes)
@@ -338,109 +335,6 @@ QuantizedX quantize_x(const T* x, int64_t m, int64_t k) {
 }
 
 #if defined(LOOM_VNNI)
-// int8 x int8 on VNNI, with W in the blocked layout of pack_int8 (rows of 16 output features
-// interleaved per 64 inputs, so a block reads one contiguous stream and each load of x serves
-// 16 rows; one row at a time was compute-bound at half the memory rate). vpdpbusd wants one
-// unsigned side: the packed weights are stored as w + 128, and the 128 * sum(xq) this adds is
-// taken off by starting each lane's sum at -128 * (the sum of its 4 xq), computed once per call.
-struct QuantizedX8 {
-  std::vector<int8_t> q;         // [m][k]
-  std::vector<float> dx_lanes;   // [m][k / 64][16]: lanes 0-7 the dx of group 2p, 8-15 of group 2p+1
-  std::vector<int32_t> offsets;  // [m][k / 64][16]: -128 * the sum of each lane's 4 codes
-};
-
-template <typename T>
-QuantizedX8 quantize_x8(const T* x, int64_t m, int64_t k) {
-  const int64_t groups = k / kGroup;
-  QuantizedX8 qx{std::vector<int8_t>(m * k), std::vector<float>(m * groups * 8), std::vector<int32_t>(m * k / 4)};
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      int8_t* q = qx.q.data() + i * k + g * kGroup;
-      float dx;
-      quantize_group(x + i * k + g * kGroup, q, dx);
-      for (int l = 0; l < 8; ++l) {
-        qx.dx_lanes[(i * groups + g) * 8 + l] = dx;
-        qx.offsets[(i * groups + g) * 8 + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-      }
-    }
-  return qx;
-}
-
-// The 16 lane sums of v[0..15], in order, as one vector (a transpose-and-add tree).
-inline __m512 sum_lanes_16(const __m512 v[16]) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: (a, b, a, b) partial sums of v[2i], v[2i+1]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per chunk: that chunk's sums of v[4i .. 4i+3]
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 2; ++i)
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// y[:, n0 : n0 + 16] for one block of packed W [k / 64][16][64]; rows of x one after another
-// (from the second on, the block is read from L1/L2).
-template <typename T>
-inline void int8_blocked_rows(const uint8_t* block, const float* scale, const QuantizedX8& qx, int64_t m, int64_t k,
-                              T* y, int64_t n_out, int64_t n0) {
-  for (int64_t i = 0; i < m; ++i) {
-    __m512 acc[kInt8Block];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    for (int64_t j = 0; j < k; j += 64) {
-      const int64_t at = i * k + j;
-      const __m512i xq = _mm512_loadu_si512(qx.q.data() + at);
-      const __m512i offsets = _mm512_loadu_si512(qx.offsets.data() + at / 4);
-      const __m512 dx = _mm512_loadu_ps(qx.dx_lanes.data() + at / 4);
-      const uint8_t* w = block + j * kInt8Block;
-      for (int r = 0; r < kInt8Block; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(offsets, _mm512_loadu_si512(w + r * 64), xq);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
-      }
-    }
-    const int64_t rows = std::min(kInt8Block, n_out - n0);  // the last block may be part padding
-    const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
-    const __m512 out = _mm512_mul_ps(sum_lanes_16(acc), _mm512_maskz_loadu_ps(live, scale));
-    T* yi = y + i * n_out + n0;
-    if constexpr (std::is_same_v<T, float>) {
-      _mm512_mask_storeu_ps(yi, live, out);
-    } else {
-#if defined(__AVX512BF16__)
-      _mm256_mask_storeu_epi16(yi, live, (__m256i)_mm512_cvtneps_pbh(out));
-#else
-      alignas(64) float part[kInt8Block];
-      _mm512_store_ps(part, out);
-      for (int64_t r = 0; r < rows; ++r) yi[r] = static_cast<T>(part[r]);
-#endif
-    }
-  }
-}
-
-template <typename T>
-at::Tensor linear_int8_blocked_as(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  const int64_t m = x.size(0), k = x.size(1), n_out = scale.numel(), blocks = w.size(0);
-  const auto qx = quantize_x8(x.data_ptr<T>(), m, k);
-  auto out = at::empty({m, n_out}, x.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* scales = scale.data_ptr<float>();
-  T* y = out.data_ptr<T>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      int8_blocked_rows(wp + b * k * kInt8Block, scales + b * kInt8Block, qx, m, k, y, n_out, b * kInt8Block);
-  });
-  return out;
-}
-
-at::Tensor linear_int8_blocked(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale) {
-  const auto x = x_in.contiguous();
-  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && w.size(1) * 64 == x.size(1),
-              "packed int8 weights take bfloat16 or float32 x with K = ", w.size(1) * 64);
-  return x.scalar_type() == at::kFloat ? linear_int8_blocked_as<float>(x, w, scale)
-                                            : linear_int8_blocked_as<at::BFloat16>(x, w, scale);
-}
-
 // int4 x int8 on VNNI (vpdpbusd: 64 unsigned-by-signed byte products summed 4 to a lane), as
 // llama.cpp does for Q4_1: each row of x is quantized once per call to int8 per group of 32
 // (x ~ q * dx), so a pair of groups of W is unpacked to 64 codes and dotted with 64 int8s in
@@ -1020,17 +914,7 @@ at::Tensor linear_dense(at::Tensor x, at::Tensor w, std::optional<at::Tensor> pa
 
 at::Tensor linear_int8(at::Tensor x, at::Tensor w, at::Tensor scale) {
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be float32 [N]");
-#if defined(LOOM_AVX2_INT)
   if (w.dim() == 3) return linear_int8_panels(x, w, scale);
-#endif
-#if defined(LOOM_VNNI)
-  if (w.dim() == 4) {
-    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == kPackedInt8 && w.size(0) * kInt8Block >= scale.numel() &&
-                    w.size(2) == kInt8Block && w.size(3) == kInt8Step,
-                "packed int8 weights come from pack_int8");
-    return linear_int8_blocked(x, w, scale);
-  }
-#endif
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == x.size(1) &&
                   scale.numel() == w.size(0), "w must be int8 [N, K] (or from pack_int8), scale float32 [N]");
   const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
@@ -1089,22 +973,9 @@ bool quantized_int8_activations(at::ScalarType dtype) {
 #endif
 }
 
-// int8 [N, K] -> the layout of linear_int8's integer kernel. VNNI: blocks [ceil(N / 16), K / 64,
-// 16, 64], block b, step j, row r holding W[16 b + r, 64 j : 64 j + 64] + 128 as uint8 (vpdpbusd's
-// unsigned side; rows past N zero weights). AVX2: pack_int8_panels' [ceil(N / 16), K / 32, 512].
+// int8 [N, K] -> the layout of linear_int8's integer kernel: pack_int8_panels' (VNNI and AVX2).
 at::Tensor pack_int8(at::Tensor w) {
-#if defined(LOOM_VNNI)
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) % kInt8Step == 0,
-              "pack_int8: int8 [N, K] with K a multiple of ", kInt8Step);
-  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kInt8Block - 1) / kInt8Block;
-  auto padded = at::zeros({blocks * kInt8Block, k}, w.options().dtype(at::kShort));
-  padded.narrow(0, 0, n).copy_(w);
-  padded.add_(128);
-  return padded.to(kPackedInt8)
-      .view({blocks, kInt8Block, k / kInt8Step, kInt8Step})
-      .permute({0, 2, 1, 3})
-      .contiguous();
-#elif defined(LOOM_AVX2_INT)
+#if defined(LOOM_VNNI) || defined(LOOM_AVX2_INT)
   return pack_int8_panels(w);
 #else
   TORCH_CHECK(false, "pack_int8 needs integer dot products (see quantized_int8_activations)");
@@ -1114,9 +985,15 @@ at::Tensor pack_int8(at::Tensor w) {
 at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
                        std::optional<at::Tensor> panels) {
   const int64_t k = x.size(1), n = w.size(0);
-  // One row streams the weights, where the GGUF layout's fewer bytes pay: on Zen 3, 30 layers'
-  // shapes from DRAM, the panels ran 0.96x at one row, 1.19x at 2, 1.49x at 4, 1.80x at 8.
-  if (panels && panels->numel() && x.dim() == 2 && x.size(0) > 1)
+  // AVX2: one row streams the weights, where the GGUF layout's fewer bytes pay (on Zen 3, 30
+  // layers' shapes from DRAM, the panels ran 0.96x at one row, 1.19x at 2, 1.49x at 4, 1.80x at 8).
+  // VNNI: the panels take one row too (a Cascade Lake Xeon, the same shapes from DRAM: 1.62x).
+#if defined(LOOM_VNNI)
+  constexpr int64_t panel_rows = 1;
+#else
+  constexpr int64_t panel_rows = 2;
+#endif
+  if (panels && panels->numel() && x.dim() == 2 && x.size(0) >= panel_rows)
     return linear_int4_panels(x, *panels, n);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
@@ -1143,43 +1020,22 @@ at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
 // Widened weights [N, K] in the activation dtype, for inputs with many rows (prefill), where
 // torch's GEMM on the widened copy beats streaming the codes once per row block.
 at::Tensor dequantize_int8(at::Tensor w, at::Tensor scale, at::ScalarType dtype) {
-  if (w.dim() == 3) {  // pack_int8's panels (AVX2)
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1, "dequantize_int8: float32 scale [N]");
-    return unpack_int8_panels(w, scale.numel()).to(at::kFloat).mul(scale.unsqueeze(1)).to(dtype);
-  }
-  // pack_int8's blocks [blocks, K / C, R, C] are read in place (no row-major copy first); a uint8
-  // block holds codes + 128.
-  const bool packed = w.dim() == 4;
-  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
-                  (packed ? (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) &&
-                                w.size(0) * w.size(2) >= scale.numel()
-                          : w.dim() == 2 && w.scalar_type() == at::kChar && scale.numel() == w.size(0)),
-              "dequantize_int8: int8 [N, K] (or from pack_int8), float32 [N]");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.dim() == 1,
+              "dequantize_int8: float32 scale [N]");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_int8: float32 or bfloat16 output");
-  const int64_t n = scale.numel(), k = packed ? w.size(1) * w.size(3) : w.size(1);
-  const int64_t block_rows = packed ? w.size(2) : 1, step = packed ? w.size(3) : k;
-  const float offset = w.scalar_type() == at::kByte ? 128.f : 0.f;
-  auto out = at::empty({n, k}, w.options().dtype(dtype));
-  const auto* raw = static_cast<const uint8_t*>(w.data_ptr());
+  if (w.dim() == 3) w = unpack_int8_panels(w, scale.numel());  // pack_int8's panels
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && scale.numel() == w.size(0),
+              "dequantize_int8: int8 [N, K] (or from pack_int8), float32 [N]");
+  const auto wc = w.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1);
+  auto out = at::empty({n, k}, wc.options().dtype(dtype));
+  const int8_t* q = wc.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, dtype, "dequantize_int8", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* row_out = o + r * k;
-        if (packed) {  // row r: `step` codes every block_rows * step bytes of its block
-          const uint8_t* row = raw + (r / block_rows) * k * block_rows + (r % block_rows) * step;
-          for (int64_t j0 = 0; j0 < k; j0 += step, row += block_rows * step)
-            for (int64_t c = 0; c < step; ++c) {
-              const float code = offset ? static_cast<float>(row[c]) - offset
-                                        : static_cast<float>(static_cast<int8_t>(row[c]));
-              row_out[j0 + c] = static_cast<scalar_t>(code * s[r]);
-            }
-        } else {
-          const auto* row = reinterpret_cast<const int8_t*>(raw) + r * k;
-          for (int64_t j = 0; j < k; ++j) row_out[j] = static_cast<scalar_t>(static_cast<float>(row[j]) * s[r]);
-        }
-      }
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t j = 0; j < k; ++j) o[r * k + j] = static_cast<scalar_t>(static_cast<float>(q[r * k + j]) * s[r]);
     });
   });
   return out;
