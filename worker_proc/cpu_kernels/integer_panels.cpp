@@ -69,8 +69,9 @@ constexpr int64_t kInt8Ahead = 8 * kInt8GroupBytes;
 #if defined(LOOM_INTEGER_PANELS)
 #if defined(LOOM_VNNI_PANELS)
 constexpr int kTileRows = 4;  // rows of x per tile
-// x always in strips: the tiles' loads of x then sit at fixed offsets from one pointer (per-row
-// pointers spilled to the stack: 117 against ... GOP/s on one core of a Cascade Lake Xeon)
+// x always in strips: the tiles' loads of x then sit at fixed offsets from one pointer. With x by
+// rows GCC spilled a pointer per row and step to the stack: 256 x 3,072 x 576 on one core of a
+// Cascade Lake Xeon, int8 117 -> 222-244 GOP/s, int4 145 -> 224 (vpdpbusd's own peak there ~280).
 constexpr int64_t kStripRows = 1;
 #else
 constexpr int kTileRows = 4;  // rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40 on Zen 3)
