@@ -59,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_bf16", &amx_bf16, "whether this build multiplies bfloat16 linears on AMX tiles (and the OS allows them)");
   m.def("linear_int8", &linear_int8, "x @ w.T, int8 weights (as quantized: few rows of x; or from pack_int8: any count) with per-row scales");
   m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the panels of linear_int8's integer GEMM (VNNI and AVX2 builds)");
-  m.def("linear_int4", &linear_int4, "x @ w.T on packed int4 weights with group scale/min (panels: from pack_int4_panels, for more than one row)",
+  m.def("linear_int4", &linear_int4, "x @ w.T on packed int4 weights with group scale/min (panels: from pack_int4_panels, for more than one row; on VNNI builds for one too)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("minimum"), pybind11::arg("panels") = pybind11::none());
   m.def("integer_panels", &integer_panels, "whether this build has the integer GEMM panels (linear_int4_panels; pack_int8's layout): AVX2 or AVX512-VNNI integer products");
   m.def("pack_int4_panels", &pack_int4_panels, "int4 codes [N, K/2] with float16 scale/min [N, K/32] in the panels of linear_int4_panels");
