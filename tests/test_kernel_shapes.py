@@ -217,24 +217,37 @@ def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, requ
     assert sum(a == b for a, b in zip(got_out, want_out)) >= 2
 
 
-def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path):
+REGION_CASES = [("bfloat16", "none", "auto"), ("float32", "none", "float32"), ("float32", "none", "float16"),
+                ("float32", "int8", "float16"), ("float32", "int4", "float32")]
+
+
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", REGION_CASES,
+                         ids=[f"{d}-{q}-kv-{k}" for d, q, k in REGION_CASES])
+def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype, quantization, kv_cache_dtype):
     """The layer stack's steps in one parallel region (each op's team form, the linears' blocks
     balanced between threads) give the logits of its op-by-op calls bit for bit: prompt steps (the
-    last layer narrowed to the logit rows), mixed and decode steps, one-row steps (their own
-    linears without AMX) included."""
+    last layer narrowed to the logit rows), mixed and decode steps, one-row steps (bfloat16: their
+    own linears without AMX) included; bfloat16 on packed weights, float32 activations on float32,
+    int8 or int4 panels with a float32 or float16 KV cache."""
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
-    if not kernel.packed_bf16_rows():
+    if dtype == "bfloat16" and not kernel.packed_bf16_rows():
         pytest.skip("no bfloat16 products (AMX tiles or AVX512-BF16) in this build or on this CPU")
+    if quantization == "none" and dtype == "float32" and not kernel.dense_f32_rows():
+        pytest.skip("no float32 panels (AVX2 and FMA) in this build")
+    if quantization != "none" and not kernel.integer_panels():
+        pytest.skip("no integer panels (AVX2 or AVX512-VNNI) in this build")
     # head_dim 64 (the default model's), every N and K a multiple of 32
     path = build_tiny_checkpoint("llama", tmp_path, seed=7, vocab_size=1024, hidden_size=128, num_attention_heads=2,
                                  num_key_value_heads=1, intermediate_size=256)
-    fast = ModelRunner(RunnerConfig(str(path), torch.bfloat16, kv_cache_gb=0.02, max_running_requests=4,
-                                    kernel_backend="cpu", kernel_isa=request.node.callspec.params["kernel"]))
+    fast = ModelRunner(RunnerConfig(str(path), getattr(torch, dtype), kv_cache_gb=0.02, max_running_requests=4,
+                                    kernel_backend="cpu", kernel_isa=request.node.callspec.params["kernel"],
+                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype))
     stack = fast.model.layer_stack
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 17, 40, 90)]
-    for batch in (prompts, prompts[2:3]):  # (alone, a prompt's decode steps have one row)
+    # (alone, a prompt's decode steps have one row; int4 takes its panels from two rows on AVX2)
+    for batch in (prompts, prompts[2:4] if quantization == "int4" else prompts[2:3]):
         stack.one_region = True
         steps = stack.one_region_steps
         out_region, logits_region, _ = _run_and_capture(fast, batch)

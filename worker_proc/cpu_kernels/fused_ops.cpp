@@ -118,6 +118,25 @@ void rope_bf16(at::BFloat16* qkv, const int64_t* positions, const float* cos, co
 }
 #endif
 
+// One row of rms_norm_rows; h and r: dim floats of scratch.
+template <typename T>
+inline void rms_norm_row(const T* x, T* res, const float* wf, T* out, int64_t dim, float eps, float* h, float* r) {
+  widen(x, h, dim);
+  if (res) {
+    widen(res, r, dim);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) h[i] = round_to<T>(h[i] + r[i]);
+    narrow(h, res, dim);
+  }
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < dim; ++i) ss += h[i] * h[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) h[i] = wf[i] * round_to<T>(h[i] * inv);
+  narrow(h, out, dim);
+}
+
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), per row; with a residual: residual += x first
 // and the sum is what gets normalised. Work is done in float32 row buffers so the loops vectorise.
 template <typename T>
@@ -131,24 +150,30 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
   widen(weight, wf.data(), dim);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(dim), r(dim);
-    for (int64_t row = begin; row < end; ++row) {
-      widen(x + row * dim, h.data(), dim);
-      if (residual) {
-        T* res = residual + row * dim;
-        widen(res, r.data(), dim);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) h[i] = round_to<T>(h[i] + r[i]);
-        narrow(h.data(), res, dim);
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < dim; ++i) ss += h[i] * h[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) h[i] = wf[i] * round_to<T>(h[i] * inv);
-      narrow(h.data(), out + row * dim, dim);
-    }
+    for (int64_t row = begin; row < end; ++row)
+      rms_norm_row(x + row * dim, residual ? residual + row * dim : nullptr, wf.data(), out + row * dim, dim, eps,
+                   h.data(), r.data());
   });
+}
+
+// x [T, 2I] = [gate | up] -> T(T(silu(gate)) * up)  [T, I]
+// out[i] = T(T(silu(gate[i])) * up[i]) for n values; g and u: n floats of scratch.
+template <typename T>
+inline void silu_mul_span(const T* gate, const T* up, T* out, int64_t n, float* g, float* u) {
+  widen(gate, g, n);
+  widen(up, u, n);
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) {  // (as the gated linear's stores compute it)
+    const __mmask16 lanes = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(g + i, lanes, loom::silu16(_mm512_maskz_loadu_ps(lanes, g + i)));
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) g[i] = round_to<T>(round_to<T>(g[i]) * u[i]);
+#else
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) g[i] = round_to<T>(round_to<T>(g[i] / (1.f + loom::vexp(-g[i]))) * u[i]);
+#endif
+  narrow(g, out, n);
 }
 
 // x [T, 2I] = [gate | up] -> T(T(silu(gate)) * up)  [T, I]
@@ -156,23 +181,25 @@ template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> g(inter), u(inter);
-    for (int64_t r = begin; r < end; ++r) {
-      widen(x + r * 2 * inter, g.data(), inter);
-      widen(x + r * 2 * inter + inter, u.data(), inter);
-#if defined(__AVX512F__)
-      for (int64_t i = 0; i < inter; i += 16) {  // (as the gated linear's stores compute it)
-        const __mmask16 lanes = inter - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (inter - i)) - 1);
-        _mm512_mask_storeu_ps(g.data() + i, lanes, loom::silu16(_mm512_maskz_loadu_ps(lanes, g.data() + i)));
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = round_to<T>(round_to<T>(g[i]) * u[i]);
-#else
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = round_to<T>(round_to<T>(g[i] / (1.f + loom::vexp(-g[i]))) * u[i]);
-#endif
-      narrow(g.data(), out + r * inter, inter);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      silu_mul_span(x + r * 2 * inter, x + r * 2 * inter + inter, out + r * inter, inter, g.data(), u.data());
   });
+}
+
+// One row of rope_rows: its first `heads` heads; scratch: 3 * head_dim floats.
+template <typename T>
+inline void rope_row(T* row, const float* cp, const float* sp, int64_t heads, int64_t head_dim, float* scratch) {
+  const int64_t half = head_dim / 2;
+  float *c = scratch, *s = scratch + head_dim, *h = scratch + 2 * head_dim;
+  for (int64_t d = 0; d < head_dim; ++d) { c[d] = round_to<T>(cp[d]); s[d] = round_to<T>(sp[d]); }
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    T* x = row + hd * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) h[d] = static_cast<float>(x[d]);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float rot = d < half ? -h[d + half] : h[d - half];
+      x[d] = static_cast<T>(round_to<T>(h[d] * c[d]) + round_to<T>(rot * s[d]));
+    }
+  }
 }
 
 // Rotary embedding in place on the q and k heads of a fused qkv row:
@@ -185,23 +212,11 @@ void rope_rows(T* qkv, const int64_t* positions, const float* cos, const float* 
     if (head_dim % 32 == 0) return rope_bf16(qkv, positions, cos, sin, rows, row_stride, heads, head_dim);
   }
 #endif
-  const int64_t half = head_dim / 2;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(head_dim), s(head_dim), h(head_dim);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* cp = cos + positions[r] * head_dim;
-      const float* sp = sin + positions[r] * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) { c[d] = round_to<T>(cp[d]); s[d] = round_to<T>(sp[d]); }
-      T* row = qkv + r * row_stride;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        T* x = row + hd * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) h[d] = static_cast<float>(x[d]);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          const float rot = d < half ? -h[d + half] : h[d - half];
-          x[d] = static_cast<T>(round_to<T>(h[d] * c[d]) + round_to<T>(rot * s[d]));
-        }
-      }
-    }
+    std::vector<float> scratch(3 * head_dim);
+    for (int64_t r = begin; r < end; ++r)
+      rope_row(qkv + r * row_stride, cos + positions[r] * head_dim, sin + positions[r] * head_dim, heads, head_dim,
+               scratch.data());
   });
 }
 
@@ -352,7 +367,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 #if defined(__AVX512BF16__)
 // Team forms (team.h) for the layer stack's one region: rows split among the team, which meets
 // at the loop's closing barrier.
-void rms_norm_bf16_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
+void rms_norm_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
                         int64_t rows, int64_t dim, double eps) {
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r)
@@ -360,7 +375,7 @@ void rms_norm_bf16_team(const at::BFloat16* x, at::BFloat16* residual, const at:
                       static_cast<float>(eps));
 }
 
-void rope_store_kv_bf16_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
+void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
                              const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                              at::BFloat16* kv, const int64_t* slots) {
   const int64_t width = kv_heads * head_dim;
@@ -373,3 +388,55 @@ void rope_store_kv_bf16_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride
   }
 }
 #endif
+
+// float32 team forms, as the op-by-op functions compute each row.
+void rms_norm_team(const float* x, float* residual, const float* weight, float* out, int64_t rows, int64_t dim,
+                   double eps) {
+  std::vector<float> h(dim), r(dim);
+#pragma omp for schedule(static)
+  for (int64_t row = 0; row < rows; ++row)
+    rms_norm_row(x + row * dim, residual ? residual + row * dim : nullptr, weight, out + row * dim, dim,
+                 static_cast<float>(eps), h.data(), r.data());
+}
+
+// (spans of a row among the team: a decode step's one row is work for both threads)
+void silu_mul_team(const float* x, float* out, int64_t rows, int64_t inter) {
+  constexpr int64_t kSpan = 256;  // a multiple of every vector width: the same lanes as whole rows
+  const int64_t spans = (inter + kSpan - 1) / kSpan;
+  float g[kSpan], u[kSpan];
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < rows * spans; ++i) {
+    const int64_t r = i / spans, c0 = i % spans * kSpan, n = std::min(kSpan, inter - c0);
+    silu_mul_span(x + r * 2 * inter + c0, x + r * 2 * inter + inter + c0, out + r * inter + c0, n, g, u);
+  }
+}
+
+namespace {
+template <typename KV>
+void rope_store_kv_rows(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, KV* kv,
+                        const int64_t* slots) {
+  const int64_t width = kv_heads * head_dim;
+  std::vector<float> scratch(3 * head_dim);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * row_stride;
+    rope_row(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim,
+             scratch.data());
+    loom::convert_row(kv + slots[r] * 2 * width, row + q_heads * head_dim, width);
+    loom::convert_row(kv + (slots[r] * 2 + 1) * width, row + (q_heads + kv_heads) * head_dim, width);
+  }
+}
+}  // namespace
+
+void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float* kv,
+                        const int64_t* slots) {
+  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots);
+}
+
+void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Half* kv,
+                        const int64_t* slots) {
+  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots);
+}

@@ -410,63 +410,93 @@ void run_panel(int64_t panel, int64_t m, T* y, int64_t n_out, Tile tile) {
   }
 }
 
-// y [M, n_out] = x @ W.T: x quantized once, then the panels shared among the threads (their share
-// front first, then single panels from the back of the other's: team.h), as the float32 panels do.
+// x's quantized form for m rows of k inputs in caller-owned buffers: codes m * k, scales 2 * m *
+// k / 32 (dx, then the sums), offsets m * k / 32 (VNNI).
+Int8Groups quantized_x(int8_t* codes, float* scales, int32_t* offsets, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+#if !defined(LOOM_VNNI_PANELS)
+  offsets = nullptr;
+#endif
+  return {codes, scales, scales + m * groups, offsets, k, groups, m, m >= kStripRows};
+}
+
+// Every row of x times panel p into y [M, n_out] (x quantized in qx).
+template <typename T, typename Tile>
+void panel_rows(const Int8Groups& qx, int64_t p, T* y, int64_t n_out, Tile tile) {
+  run_panel(p, qx.m, y, n_out,
+            [&](auto r_const, int64_t row0, T* yr, int64_t cols) { tile(r_const, qx, p, row0, yr, n_out, cols); });
+}
+
+// This thread's panels in a region: its share front first, then single panels from the back of
+// the others' (team.h), as the float32 panels do.
+template <typename T, typename Tile>
+void take_panels(const Int8Groups& qx, T* y, int64_t n_out, loom::BlockClaims& claims, Tile tile) {
+  const int t = omp_get_thread_num();
+  int64_t p0, p1, end;
+  while (claims.take_front(t, 1, p0, p1, end)) panel_rows(qx, p0, y, n_out, tile);
+  for (int64_t p; claims.steal(t, p);) panel_rows(qx, p, y, n_out, tile);
+}
+
+// y [M, n_out] = x @ W.T: x quantized once, then the panels shared among the threads.
 template <typename T, typename Tile>
 at::Tensor linear_panels_as(const at::Tensor& x, int64_t panels, int64_t n_out, Tile tile) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
   auto codes = at::empty({m, k}, x.options().dtype(at::kChar));
   auto scales = at::empty({2, m, groups}, x.options().dtype(at::kFloat));
-#if defined(LOOM_VNNI_PANELS)
   auto offsets = at::empty({m, groups}, x.options().dtype(at::kInt));
-  int32_t* offset = offsets.data_ptr<int32_t>();
-#else
-  int32_t* offset = nullptr;
-#endif
-  const Int8Groups qx{codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(), offset, k,
-                      groups, m, m >= kStripRows};
+  const Int8Groups qx = quantized_x(codes.data_ptr<int8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>(), m, k);
   quantize_rows(x.data_ptr<T>(), m, qx);
   auto out = at::empty({m, n_out}, x.options());
   T* y = out.data_ptr<T>();
-  const auto panel_rows = [&](int64_t p) {
-    run_panel(p, m, y, n_out, [&](auto r_const, int64_t row0, T* yr, int64_t cols) { tile(r_const, qx, p, row0, yr, n_out, cols); });
-  };
   const int threads = at::get_num_threads();
   if (panels >= 2 * threads && threads > 1 && !at::in_parallel_region()) {
     loom::BlockClaims claims;
     claims.reset(panels, threads);
 #pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num();
-      int64_t p0, p1, end;
-      while (claims.take_front(t, 1, p0, p1, end)) panel_rows(p0);
-      for (int64_t p; claims.steal(t, p);) panel_rows(p);
-    }
+    take_panels(qx, y, n_out, claims, tile);
   } else {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) panel_rows(p);
+      for (int64_t p = begin; p < end; ++p) panel_rows(qx, p, y, n_out, tile);
     });
   }
   return out;
 }
 
+// The same in a region: the team quantizes x (a barrier), then takes the panels (no barrier).
+template <typename T, typename Tile>
+void linear_panels_team(const T* x, int64_t m, int64_t k, const IntegerScratch& scratch, T* y, int64_t n_out,
+                        loom::BlockClaims& claims, Tile tile) {
+  const Int8Groups qx = quantized_x(scratch.codes, scratch.scales, scratch.offsets, m, k);
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < m * qx.groups; ++i) {
+    const int64_t row = i / qx.groups, g = i % qx.groups;
+    quantize_group(x + row * k + g * kGroup, qx.at(row, g), qx.dx[i], qx.sum[i], qx.offset ? qx.offset + i : nullptr);
+  }
+  take_panels(qx, y, n_out, claims, tile);
+}
+
+auto int4_tiles(const Int4Panels& w) {
+  return [w](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, auto* y, int64_t ldy, int64_t cols) {
+    int4_tile<decltype(r_const)::value>(w, p, qx, row0, y, ldy, cols);
+  };
+}
+
+auto int8_tiles(const Int8PanelCode* w, int64_t groups, const float* scale) {
+  return [=](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, auto* y, int64_t ldy, int64_t cols) {
+    int8_tile<decltype(r_const)::value>(w + p * groups * kInt8GroupBytes, groups, scale + p * kPanelCols, qx, row0, y,
+                                        ldy, cols);
+  };
+}
+
 template <typename T>
 at::Tensor linear_int4_panels_as(const at::Tensor& x, const Int4Panels& w, int64_t panels, int64_t n_out) {
-  return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
-                                                   int64_t ldy, int64_t cols) {
-    int4_tile<decltype(r_const)::value>(w, p, qx, row0, y, ldy, cols);
-  });
+  return linear_panels_as<T>(x, panels, n_out, int4_tiles(w));
 }
 
 template <typename T>
 at::Tensor linear_int8_panels_as(const at::Tensor& x, const Int8PanelCode* w, int64_t panels, const float* scale,
                                  int64_t n_out) {
-  const int64_t groups = x.size(1) / kGroup;
-  return linear_panels_as<T>(x, panels, n_out, [&](auto r_const, const Int8Groups& qx, int64_t p, int64_t row0, T* y,
-                                                   int64_t ldy, int64_t cols) {
-    int8_tile<decltype(r_const)::value>(w + p * groups * kInt8GroupBytes, groups, scale + p * kPanelCols, qx, row0, y,
-                                        ldy, cols);
-  });
+  return linear_panels_as<T>(x, panels, n_out, int8_tiles(w, x.size(1) / kGroup, scale));
 }
 #endif
 
@@ -573,5 +603,24 @@ at::Tensor linear_int8_panels(at::Tensor x, at::Tensor panels, at::Tensor scale)
   return linear_int8_panels_as<c10::BFloat16>(xc, w, panels.size(0), scale.data_ptr<float>(), n_out);
 #else
   TORCH_CHECK(false, "linear_int8_panels needs AVX2 or AVX512-VNNI (see integer_panels())");
+#endif
+}
+
+void linear_int8_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, const float* scale,
+                             int64_t n_out, const IntegerScratch& scratch, float* y, loom::BlockClaims& claims) {
+#if defined(LOOM_INTEGER_PANELS)
+  const auto* w = static_cast<const Int8PanelCode*>(panels.data_ptr());
+  linear_panels_team(x, m, k, scratch, y, n_out, claims, int8_tiles(w, k / kGroup, scale));
+#else
+  TORCH_CHECK(false, "linear_int8_panels needs AVX2 or AVX512-VNNI (see integer_panels())");
+#endif
+}
+
+void linear_int4_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
+                             const IntegerScratch& scratch, float* y, loom::BlockClaims& claims) {
+#if defined(LOOM_INTEGER_PANELS)
+  linear_panels_team(x, m, k, scratch, y, n_out, claims, int4_tiles(Int4Panels{panels.data_ptr<uint8_t>(), k / kGroup}));
+#else
+  TORCH_CHECK(false, "linear_int4_panels needs AVX2 or AVX512-VNNI (see integer_panels())");
 #endif
 }

@@ -89,7 +89,7 @@ std::vector<at::Tensor> shared_memory_exchange(at::Tensor region, int64_t rank, 
 // Team forms (team.h), for the layer stack's one parallel region a step: every thread of the
 // region calls one with the same arguments; each ends at the team's barrier, except the linears,
 // which leave it to the caller.
-// bfloat16 throughout; the plain entry points above check what these take as given.
+// The plain entry points above check what these take as given. bfloat16 first:
 namespace loom {
 class BlockClaims;
 }
@@ -102,15 +102,46 @@ void linear_packed_bf16_team(const at::BFloat16* x, int64_t m, const at::Tensor&
 // gated: W = an MLP's [gate; up] [2 inter, K] and y [inter] = silu(gate) * up (inter a multiple of 16)
 void linear_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t n, int64_t k, at::BFloat16* y);
 void gated_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t inter, int64_t k, at::BFloat16* y);
-void rms_norm_bf16_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
-                        int64_t rows, int64_t dim, double eps);  // dim a multiple of 16
+void rms_norm_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
+                   int64_t rows, int64_t dim, double eps);  // dim a multiple of 16
 // rope_ on each row's q and k heads (head_dim a multiple of 32), then its k and v heads to pool
 // slot slots[r] of a bfloat16 kv [S, 2, kv_heads, head_dim]
-void rope_store_kv_bf16_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
-                             const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                             at::BFloat16* kv, const int64_t* slots);
+void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
+                        const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                        at::BFloat16* kv, const int64_t* slots);
 int64_t paged_attention_partial_floats(const PagedAttentionPlan& plan);  // partials' size for the team form
-// run_paged_attention of a bfloat16 q (rows q_row_stride apart) over a bfloat16 pool into out [N, H * D]
-void run_paged_attention_bf16_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
-                                   const at::BFloat16* kv, at::BFloat16* out, float* partials);
-
+// run_paged_attention of q (rows q_row_stride apart) over the pool into out [N, H * D]
+void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
+                              const at::BFloat16* kv, at::BFloat16* out, float* partials);
+// float32 throughout (the pool float32 or float16), as the op-by-op functions compute each row:
+// y [m, n_out] = x [m, K] @ W.T on pack_dense_f32's panels where f32_panels_team_takes(m, n_out)
+// (AVX2 / AVX-512 builds; claims reset to n_out / the panels' width; no barrier at the end)
+bool f32_panels_team_takes(int64_t m, int64_t n_out);
+void linear_f32_panels_team(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n_out,
+                            loom::BlockClaims& claims);
+void rms_norm_team(const float* x, float* residual, const float* weight, float* out, int64_t rows, int64_t dim,
+                   double eps);
+void silu_mul_team(const float* x, float* out, int64_t rows, int64_t inter);  // x [rows, 2 inter] = [gate | up]
+void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float* kv,
+                        const int64_t* slots);
+void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Half* kv,
+                        const int64_t* slots);
+void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const float* kv,
+                              float* out, float* partials);
+// The integer panels (pack_int8_panels' int8 weights with their float32 scale [n_out];
+// pack_int4_panels' int4 ones, from int4_panel_rows() rows): the team quantizes x into scratch
+// (codes m * k, scales 2 * m * k / 32, offsets m * k / 32), meets, then takes the panels (no barrier).
+struct IntegerScratch {
+  int8_t* codes;
+  float* scales;
+  int32_t* offsets;
+};
+int64_t int4_panel_rows();
+void linear_int8_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, const float* scale,
+                             int64_t n_out, const IntegerScratch& scratch, float* y, loom::BlockClaims& claims);
+void linear_int4_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
+                             const IntegerScratch& scratch, float* y, loom::BlockClaims& claims);
+void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride,
+                              const at::Half* kv, float* out, float* partials);

@@ -17,6 +17,7 @@
 #include <functional>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -57,6 +58,32 @@ struct LinearWeights {
            tensors[1].numel() > 0 && tensors[1].scalar_type() == at::kBFloat16;
   }
   const at::Tensor& packed() const { return tensors[1]; }
+
+  // What a float32 step's one region takes, no bias: float32 weights with pack_dense_f32's
+  // panels [N / width, K, width], int8 ones in pack_int8_panels' form, int4 ones with panels.
+  bool packed_f32() const {
+    return !half_out && !bias && tensors.size() == 2 && tensors[0].scalar_type() == at::kFloat &&
+           tensors[1].dim() == 3 && tensors[1].numel() > 0 && tensors[1].scalar_type() == at::kFloat;
+  }
+  bool int8_panels() const { return !bias && tensors.size() == 2 && tensors[0].dim() == 3 && !tensors[0].is_floating_point(); }
+  bool int4_panels() const { return !bias && tensors.size() == 4 && tensors[3].numel() > 0; }
+  bool in_f32_region(int64_t rows) const {
+    return (packed_f32() && f32_panels_team_takes(rows, out_features())) || int8_panels() ||
+           (int4_panels() && rows >= int4_panel_rows());
+  }
+  int64_t out_features() const { return int8_panels() ? tensors[1].numel() : tensors[0].size(0); }
+  // y [rows, out_features] = x [rows, k] @ W.T as a team form (in_f32_region(rows)); claims reset
+  // to team_blocks()
+  int64_t team_blocks() const { return (int8_panels() ? tensors[0] : int4_panels() ? tensors[3] : packed()).size(0); }
+  void team(const float* x, int64_t rows, int64_t k, float* y, const IntegerScratch& scratch,
+            loom::BlockClaims& claims) const {
+    if (int8_panels())
+      linear_int8_panels_team(x, rows, k, tensors[0], tensors[1].data_ptr<float>(), out_features(), scratch, y, claims);
+    else if (int4_panels())
+      linear_int4_panels_team(x, rows, k, tensors[3], out_features(), scratch, y, claims);
+    else
+      linear_f32_panels_team(x, rows, k, packed().data_ptr<float>(), y, out_features(), claims);
+  }
 };
 
 using LinearSpec = std::tuple<std::vector<at::Tensor>, std::optional<at::Tensor>>;
@@ -190,44 +217,77 @@ class LayerStack {
   int64_t one_region_steps = 0;
 
  private:
-  // One parallel region for the layers of a step (team.h) where every op has a team form:
-  // bfloat16 weights all packed (the MLP's gated), bfloat16 pools, one process.
+  // One parallel region for the layers of a step (team.h) where every op has a team form, one
+  // process: bfloat16 weights all packed (the MLP's gated) with bfloat16 pools, or float32
+  // activations (weights on float32, int8 or int4 panels) with float32 or float16 pools.
   bool runs_in_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                           const at::Tensor& sin, const std::vector<at::Tensor>& kv,
                           const at::Tensor& out_cache_loc) const {
-#if defined(__AVX512BF16__)
-    if (all_reduce_ || x.size(0) == 0 || x.scalar_type() != at::kBFloat16 || x.size(1) % 16 || head_dim_ % 32 ||
-        !positions.is_contiguous() || positions.scalar_type() != at::kLong || cos.scalar_type() != at::kFloat ||
-        sin.scalar_type() != at::kFloat || !cos.is_contiguous() || !sin.is_contiguous() ||
-        cos.size(1) != head_dim_ || sin.size(1) != head_dim_ || !out_cache_loc.is_contiguous())
+    const int64_t t = x.size(0);
+    if (all_reduce_ || t == 0 || !positions.is_contiguous() || positions.scalar_type() != at::kLong ||
+        cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
+        !sin.is_contiguous() || cos.size(1) != head_dim_ || sin.size(1) != head_dim_ || !out_cache_loc.is_contiguous())
       return false;
-    for (const Layer& layer : layers_)
-      if (!layer.qkv.packed_bf16() || !layer.o.packed_bf16() || !layer.gate_up.packed_bf16() || !layer.gate_up.gated() ||
-          !layer.down.packed_bf16() || layer.input_norm.scalar_type() != at::kBFloat16 ||
-          layer.post_norm.scalar_type() != at::kBFloat16)
-        return false;
     for (const at::Tensor& pool : kv)
-      if (pool.scalar_type() != at::kBFloat16 || !pool.is_contiguous() || pool.sizes() != kv[0].sizes()) return false;
-    return true;
+      if (pool.scalar_type() != kv[0].scalar_type() || !pool.is_contiguous() || pool.sizes() != kv[0].sizes())
+        return false;
+    const auto pool_type = kv[0].scalar_type();
+    if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+      if (x.size(1) % 16 || head_dim_ % 32 || pool_type != at::kBFloat16) return false;
+      for (const Layer& layer : layers_)
+        if (!layer.qkv.packed_bf16() || !layer.o.packed_bf16() || !layer.gate_up.packed_bf16() ||
+            !layer.gate_up.gated() || !layer.down.packed_bf16() || layer.input_norm.scalar_type() != at::kBFloat16 ||
+            layer.post_norm.scalar_type() != at::kBFloat16)
+          return false;
+      return true;
 #else
-    return false;
+      return false;
+#endif
+    }
+    if (x.scalar_type() != at::kFloat || (pool_type != at::kFloat && pool_type != at::kHalf)) return false;
+    for (const Layer& layer : layers_) {
+      for (const LinearWeights* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        if (!w->in_f32_region(t)) return false;
+      if (layer.input_norm.scalar_type() != at::kFloat || layer.post_norm.scalar_type() != at::kFloat) return false;
+    }
+    return true;
+  }
+
+  void run_in_one_region(size_t count, at::Tensor& x, at::Tensor& residual, const at::Tensor& positions,
+                         const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv,
+                         const at::Tensor& out_cache_loc, const PagedAttentionPlan& attention) {
+    if (count == 0) return;
+    if (x.scalar_type() == at::kFloat && kv[0].scalar_type() == at::kHalf)
+      run_region<float, at::Half>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
+    else if (x.scalar_type() == at::kFloat)
+      run_region<float, float>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
+#if defined(__AVX512BF16__)
+    else
+      run_region<at::BFloat16, at::BFloat16>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
 #endif
   }
 
   // Layers [0, count) of a step, each op's team form parted by barriers; leaves x and residual
   // as the op-by-op loop does.
-  void run_in_one_region(size_t count, at::Tensor& x, at::Tensor& residual, const at::Tensor& positions,
-                         const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv,
-                         const at::Tensor& out_cache_loc, const PagedAttentionPlan& attention) {
-#if defined(__AVX512BF16__)
-    if (count == 0) return;
+  template <typename T, typename KV>
+  void run_region(size_t count, at::Tensor& x, at::Tensor& residual, const at::Tensor& positions, const at::Tensor& cos,
+                  const at::Tensor& sin, const std::vector<at::Tensor>& kv, const at::Tensor& out_cache_loc,
+                  const PagedAttentionPlan& attention) {
     ++one_region_steps;
-    using bf16 = at::BFloat16;
+    constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
     const int64_t t = x.size(0), hidden = x.size(1), q_size = num_heads_ * head_dim_;
-    const int64_t qkv_cols = packed_bf16_cols(layers_[0].qkv.packed()), inter = packed_bf16_cols(layers_[0].gate_up.packed());
-    const auto empty = [&](int64_t cols) { return at::empty({t, cols}, x.options()); };
+    // (bfloat16: the MLP's gated [gate; up] gives silu(gate) * up; float32: [gate | up], then silu_mul)
+    const auto cols = [](const LinearWeights& w) {
+      if constexpr (bf16) return packed_bf16_cols(w.packed());
+      else return w.out_features();
+    };
+    const int64_t qkv_cols = cols(layers_[0].qkv), gate_up_cols = cols(layers_[0].gate_up);
+    const int64_t inter = bf16 ? gate_up_cols : gate_up_cols / 2;
+    const auto empty = [&](int64_t n) { return at::empty({t, n}, x.options()); };
     residual = x;
     at::Tensor h = empty(hidden), qkv = empty(qkv_cols), attn = empty(q_size), proj = empty(hidden), mid = empty(inter);
+    at::Tensor gate_up = bf16 ? mid : empty(gate_up_cols);
     const std::unique_ptr<float[]> partials(new float[paged_attention_partial_floats(attention)]);
     const at::Tensor slots = out_cache_loc.to(at::kLong).contiguous();
     TORCH_CHECK(slots.numel() == t, "out_cache_loc: one pool slot per row expected");
@@ -236,50 +296,60 @@ class LayerStack {
                   "out_cache_loc: slot out of the pool");
     const int threads = at::get_num_threads();
     std::vector<loom::BlockClaims> claims(4 * count);
-    std::vector<bf16*> pools(count);
+    std::vector<KV*> pools(count);
     for (size_t i = 0; i < count; ++i) {
       const Layer& layer = layers_[i];
-      TORCH_CHECK(packed_bf16_cols(layer.qkv.packed()) == qkv_cols && packed_bf16_cols(layer.gate_up.packed()) == inter,
-                  "layers of one shape expected");
+      TORCH_CHECK(cols(layer.qkv) == qkv_cols && cols(layer.gate_up) == gate_up_cols, "layers of one shape expected");
       const LinearWeights* linears[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-      for (int j = 0; j < 4; ++j) claims[4 * i + j].reset(linears[j]->packed().size(0), threads);
-      pools[i] = kv[i].data_ptr<bf16>();
+      for (int j = 0; j < 4; ++j)
+        claims[4 * i + j].reset(bf16 ? linears[j]->packed().size(0) : linears[j]->team_blocks(), threads);
+      pools[i] = kv[i].data_ptr<KV>();
     }
-    bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>(), *attnp = attn.data_ptr<bf16>(),
-         *projp = proj.data_ptr<bf16>(), *midp = mid.data_ptr<bf16>();
+    T *xp = x.data_ptr<T>(), *hp = h.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(), *attnp = attn.data_ptr<T>(),
+      *projp = proj.data_ptr<T>(), *midp = mid.data_ptr<T>(), *gate_upp = gate_up.data_ptr<T>();
     const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
     const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
-    // (one row without AMX streams the unpacked weights, as linear_dense does: faster there)
-    const bool one_row = t == 1 && !amx_bf16();
-    const auto linear = [&](const LinearWeights& weights, const bf16* in, bf16* out, loom::BlockClaims& claims) {
+    // (bfloat16: one row without AMX streams the unpacked weights, as linear_dense does: faster there)
+    const bool one_row = bf16 && t == 1 && !amx_bf16();
+    // x quantized for the integer panels (float32 steps), sized for the widest input
+    const int64_t widest = std::max({hidden, q_size, inter});
+    const auto buffer = [&](int64_t n, at::ScalarType type) { return at::empty({bf16 ? 0 : n}, x.options().dtype(type)); };
+    const at::Tensor codes = buffer(t * widest, at::kChar), scales = buffer(2 * t * widest / 32, at::kFloat),
+                     offsets = buffer(t * widest / 32, at::kInt);
+    const IntegerScratch scratch{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>()};
+    // (k: the linear's inputs)
+    const auto linear = [&](const LinearWeights& weights, const T* in, int64_t k, T* out, loom::BlockClaims& claims) {
       const at::Tensor& w = weights.tensors[0];
-      if (!one_row)
-        linear_packed_bf16_team(in, t, weights.packed(), out, claims);
-      else if (weights.gated())
-        gated_row_bf16_team(in, w.data_ptr<bf16>(), w.size(0) / 2, w.size(1), out);
-      else
-        linear_row_bf16_team(in, w.data_ptr<bf16>(), w.size(0), w.size(1), out);
+      if constexpr (bf16) {
+        if (!one_row)
+          linear_packed_bf16_team(in, t, weights.packed(), out, claims);
+        else if (weights.gated())
+          gated_row_bf16_team(in, w.data_ptr<T>(), w.size(0) / 2, w.size(1), out);
+        else
+          linear_row_bf16_team(in, w.data_ptr<T>(), w.size(0), w.size(1), out);
+      } else {
+        weights.team(in, t, k, out, scratch, claims);
+      }
     };
 #pragma omp parallel num_threads(threads)
     for (size_t i = 0; i < count; ++i) {
       const Layer& layer = layers_[i];
       // (layer 0 normalises the embedding rows, which are the residual; later ones add the MLP's output)
-      rms_norm_bf16_team(i == 0 ? xp : projp, i == 0 ? nullptr : xp, layer.input_norm.data_ptr<bf16>(), hp, t, hidden,
-                         eps_);
-      linear(layer.qkv, hp, qkvp, claims[4 * i]);
+      rms_norm_team(i == 0 ? xp : projp, i == 0 ? nullptr : xp, layer.input_norm.data_ptr<T>(), hp, t, hidden, eps_);
+      linear(layer.qkv, hp, hidden, qkvp, claims[4 * i]);
 #pragma omp barrier
-      rope_store_kv_bf16_team(qkvp, t, qkv_cols, pos, cosp, sinp, num_heads_, num_kv_heads_, head_dim_, pools[i], slot);
-      run_paged_attention_bf16_team(attention, qkvp, qkv_cols, pools[i], attnp, partials.get());
-      linear(layer.o, attnp, projp, claims[4 * i + 1]);
+      rope_store_kv_team(qkvp, t, qkv_cols, pos, cosp, sinp, num_heads_, num_kv_heads_, head_dim_, pools[i], slot);
+      run_paged_attention_team(attention, qkvp, qkv_cols, pools[i], attnp, partials.get());
+      linear(layer.o, attnp, q_size, projp, claims[4 * i + 1]);
 #pragma omp barrier
-      rms_norm_bf16_team(projp, xp, layer.post_norm.data_ptr<bf16>(), hp, t, hidden, eps_);
-      linear(layer.gate_up, hp, midp, claims[4 * i + 2]);
+      rms_norm_team(projp, xp, layer.post_norm.data_ptr<T>(), hp, t, hidden, eps_);
+      linear(layer.gate_up, hp, hidden, gate_upp, claims[4 * i + 2]);
 #pragma omp barrier
-      linear(layer.down, midp, projp, claims[4 * i + 3]);
+      if constexpr (!bf16) silu_mul_team(gate_upp, midp, t, inter);
+      linear(layer.down, midp, inter, projp, claims[4 * i + 3]);
 #pragma omp barrier
     }
     x = proj;
-#endif
   }
 
   at::Tensor reduced(at::Tensor t) const {

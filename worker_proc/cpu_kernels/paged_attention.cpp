@@ -1633,11 +1633,29 @@ int64_t paged_attention_partial_floats(const PagedAttentionPlan& plan) {
   return partial_floats(plan.decode_rows, plan.problem.num_heads, plan.head_dim);
 }
 
-#if defined(__AVX512BF16__)
-void run_paged_attention_bf16_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
-                                   const at::BFloat16* kv, at::BFloat16* out, float* partials) {
+namespace {
+template <typename T, typename KV>
+void attend_planned_team(const PagedAttentionPlan& plan, const T* q, int64_t q_row_stride, const KV* kv, T* out,
+                         float* partials) {
   Problem problem = plan.problem;
   problem.q_row_stride = q_row_stride;
-  attend_team<at::BFloat16, at::BFloat16>(problem, plan.tasks, plan.decode_rows, plan.head_dim, q, kv, out, partials);
+  attend_team<T, KV>(problem, plan.tasks, plan.decode_rows, plan.head_dim, q, kv, out, partials);
+}
+}  // namespace
+
+#if defined(__AVX512BF16__)
+void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
+                              const at::BFloat16* kv, at::BFloat16* out, float* partials) {
+  attend_planned_team(plan, q, q_row_stride, kv, out, partials);
 }
 #endif
+
+void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const float* kv,
+                              float* out, float* partials) {
+  attend_planned_team(plan, q, q_row_stride, kv, out, partials);
+}
+
+void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride,
+                              const at::Half* kv, float* out, float* partials) {
+  attend_planned_team(plan, q, q_row_stride, kv, out, partials);
+}

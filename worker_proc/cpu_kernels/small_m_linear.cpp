@@ -775,25 +775,25 @@ struct XStrips {
 constexpr int64_t kStripRows = 256;
 #endif
 
-// packed: pack_dense_f32(w), or nullptr to pack each panel chunk here.
-void dense_f32_panels(const float* x, const float* w, const float* packed, float* y, int64_t m, int64_t k,
-                      int64_t n_out) {
-  const int64_t panels = n_out / kPanel;
+// One call's panels: run(p, ...) computes panel p (kPanel columns of y) for every row of x.
+// packed: pack_dense_f32(w), or nullptr to pack each panel chunk here (into own_panel).
+struct F32PanelCall {
+  const float *x, *w, *packed;
+  float* y;
+  int64_t m, k, n_out, panels, tiles;
   std::vector<int64_t> starts{0};
-  for (int64_t i = 0; i < m;) starts.push_back(i += loom::row_tile_at(i, m, kPanelTileRows, kShortTailRows));
-  const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
 #if !defined(__AVX512F__)
   std::optional<XStrips> strips;
-  if (m >= kStripRows && k % 8 == 0 && panels > 0) {
-    strips.emplace(starts, m, k);
-    const int64_t chunks = (k + kPanelK - 1) / kPanelK;
-    at::parallel_for(0, chunks * tiles, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) strips->pack(x, (b / tiles) * kPanelK, b % tiles);
-    });
-  }
 #endif
+
+  F32PanelCall(const float* x, const float* w, const float* packed, float* y, int64_t m, int64_t k, int64_t n_out)
+      : x(x), w(w), packed(packed), y(y), m(m), k(k), n_out(n_out), panels(n_out / kPanel) {
+    for (int64_t i = 0; i < m;) starts.push_back(i += loom::row_tile_at(i, m, kPanelTileRows, kShortTailRows));
+    tiles = static_cast<int64_t>(starts.size()) - 1;
+  }
+
   // panel p; fetch_next: the panel after it is this thread's next (fetch its first chunk meanwhile)
-  const auto run_panel = [&](int64_t p, bool fetch_next, float* own_panel) {
+  void run(int64_t p, bool fetch_next, float* own_panel) const {
     for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
       const int64_t kb = std::min(kPanelK, k - k0);
       const float* panel = packed ? packed + p * k * kPanel + k0 * kPanel : own_panel;
@@ -821,27 +821,44 @@ void dense_f32_panels(const float* x, const float* w, const float* packed, float
         fetch.after_tile();
       }
     }
-  };
-  // Each thread takes its share of the panels front first (fetching its next panel meanwhile),
+  }
+
+  // This thread's panels in a region: its share front first (fetching its next panel meanwhile),
   // then single panels from the back of the others' shares (team.h): a thread the VM slows no
   // longer holds the other at the join. AVX2 kernels on Zen 4, decode steps (interleaved A/B):
   // 1 row +0.4% to +5.7% (four runs), 4 rows +2.9%, 8 rows +2.5%, 32 rows -0.6% and +1.0%.
+  void take_panels(loom::BlockClaims& claims) const {
+    alignas(64) float own_panel[kPanelK * kPanel];  // (unused with packed weights)
+    const int t = omp_get_thread_num();
+    int64_t p0, p1, end;
+    while (claims.take_front(t, 1, p0, p1, end)) run(p0, p1 < end, own_panel);
+    for (int64_t p; claims.steal(t, p);) run(p, false, own_panel);
+  }
+};
+
+void dense_f32_panels(const float* x, const float* w, const float* packed, float* y, int64_t m, int64_t k,
+                      int64_t n_out) {
+  F32PanelCall call(x, w, packed, y, m, k, n_out);
+  const int64_t panels = call.panels, tiles = call.tiles;
+#if !defined(__AVX512F__)
+  if (m >= kStripRows && k % 8 == 0 && panels > 0) {
+    call.strips.emplace(call.starts, m, k);
+    const int64_t chunks = (k + kPanelK - 1) / kPanelK;
+    at::parallel_for(0, chunks * tiles, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) call.strips->pack(x, (b / tiles) * kPanelK, b % tiles);
+    });
+  }
+#endif
   const int threads = at::get_num_threads();
   if (panels >= 2 * threads && threads > 1 && !at::in_parallel_region()) {
     loom::BlockClaims claims;
     claims.reset(panels, threads);
 #pragma omp parallel num_threads(threads)
-    {
-      alignas(64) float own_panel[kPanelK * kPanel];
-      const int t = omp_get_thread_num();
-      int64_t p0, p1, end;
-      while (claims.take_front(t, 1, p0, p1, end)) run_panel(p0, p1 < end, own_panel);
-      for (int64_t p; claims.steal(t, p);) run_panel(p, false, own_panel);
-    }
+    call.take_panels(claims);
   } else {
     at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
       alignas(64) float own_panel[kPanelK * kPanel];
-      for (int64_t p = begin; p < end; ++p) run_panel(p, p + 1 < end, own_panel);
+      for (int64_t p = begin; p < end; ++p) call.run(p, p + 1 < end, own_panel);
     });
   }
   if (panels * kPanel < n_out) dense_f32_dots(x, w, y, m, k, n_out, panels * kPanel);
@@ -982,18 +999,22 @@ at::Tensor pack_int8(at::Tensor w) {
 #endif
 }
 
+// Rows of x from which int4 takes its panels. AVX2: one row streams the weights, where the GGUF
+// layout's fewer bytes pay (on Zen 3, 30 layers' shapes from DRAM, the panels ran 0.96x at one row,
+// 1.19x at 2, 1.49x at 4, 1.80x at 8). VNNI: the panels take one row too (a Cascade Lake Xeon, the
+// same shapes from DRAM: 1.62x).
+int64_t int4_panel_rows() {
+#if defined(LOOM_VNNI)
+  return 1;
+#else
+  return 2;
+#endif
+}
+
 at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
                        std::optional<at::Tensor> panels) {
   const int64_t k = x.size(1), n = w.size(0);
-  // AVX2: one row streams the weights, where the GGUF layout's fewer bytes pay (on Zen 3, 30
-  // layers' shapes from DRAM, the panels ran 0.96x at one row, 1.19x at 2, 1.49x at 4, 1.80x at 8).
-  // VNNI: the panels take one row too (a Cascade Lake Xeon, the same shapes from DRAM: 1.62x).
-#if defined(LOOM_VNNI)
-  constexpr int64_t panel_rows = 1;
-#else
-  constexpr int64_t panel_rows = 2;
-#endif
-  if (panels && panels->numel() && x.dim() == 2 && x.size(0) >= panel_rows)
+  if (panels && panels->numel() && x.dim() == 2 && x.size(0) >= int4_panel_rows())
     return linear_int4_panels(x, *panels, n);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(1) * 2 == k, "w must be uint8 [N, K/2]");
@@ -1105,3 +1126,23 @@ void gated_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t i
   }
 }
 #endif
+
+// Team form of the prepacked float32 panels (dense_f32_panels) for steps whose x takes no strips.
+bool f32_panels_team_takes(int64_t m, int64_t n_out) {
+#if defined(LOOM_F32_PANELS) && defined(__AVX512F__)
+  return n_out % kPanel == 0;
+#elif defined(LOOM_F32_PANELS)
+  return n_out % kPanel == 0 && m < kStripRows;
+#else
+  return false;
+#endif
+}
+
+void linear_f32_panels_team(const float* x, int64_t m, int64_t k, const float* packed, float* y, int64_t n_out,
+                            loom::BlockClaims& claims) {
+#if defined(LOOM_F32_PANELS)
+  F32PanelCall(x, nullptr, packed, y, m, k, n_out).take_panels(claims);
+#else
+  TORCH_CHECK(false, "this build has no float32 panels");
+#endif
+}
