@@ -635,7 +635,8 @@ void dense_f32_dots(const float* x, const float* w, float* y, int64_t m, int64_t
 
 // y[i0 : i0 + MR, panel columns] (+)= x[i0 : i0 + MR, k-range] @ panel; panel[kk][c] = W[c, k0 + kk];
 // x[i][kk] at x[i * x_row + kk * x_step].
-// AVX2: with `fetch`, input kk also prefetches line (kk * fetch_step) >> 16 from `fetch` on.
+// With `fetch`, input kk also prefetches line (kk * fetch_step) >> 16 from `fetch` on (and the
+// line after it on AVX-512).
 // (Inlined where it is called: with a second loop added here GCC once kept it apart, and every
 // tile ran at ~60 GFLOP/s.)
 template <int MR>
@@ -643,7 +644,22 @@ __attribute__((always_inline)) inline void panel_tile(const float* x, int64_t x_
                                                       int64_t kb, float* y, int64_t ldy, bool first, const char* fetch,
                                                       int64_t fetch_step) {
 #if defined(__AVX512F__)
-  loom::broadcast_tile_32<MR>(x, x_row, kb, panel, y, ldy, !first);
+  if (fetch) {  // (two lines of the next chunk an input: a panel row is two lines)
+    auto load_panel_row = [panel, fetch, fetch_step](int64_t kk, __m512& b0, __m512& b1) __attribute__((always_inline)) {
+      const char* line = fetch + (((kk * fetch_step) >> 16) << 6);
+      _mm_prefetch(line, _MM_HINT_T0);
+      _mm_prefetch(line + 64, _MM_HINT_T0);
+      b0 = _mm512_loadu_ps(panel + kk * kPanel);
+      b1 = _mm512_loadu_ps(panel + kk * kPanel + 16);
+    };
+    loom::broadcast_tile_32<MR>(x, x_row, kb, load_panel_row, y, ldy, !first);
+    return;
+  }
+  auto load_panel_row = [panel](int64_t kk, __m512& b0, __m512& b1) __attribute__((always_inline)) {
+    b0 = _mm512_loadu_ps(panel + kk * kPanel);
+    b1 = _mm512_loadu_ps(panel + kk * kPanel + 16);
+  };
+  loom::broadcast_tile_32<MR>(x, x_row, kb, load_panel_row, y, ldy, !first);
 #else
   if (fetch) {
     auto load_panel_row = [panel, fetch, fetch_step](int64_t kk, __m256& b0, __m256& b1) __attribute__((always_inline)) {
@@ -694,7 +710,16 @@ inline void pack_panel(const float* w, int64_t k, int64_t row0, int64_t k0, int6
 // rows (37 and 32 lines) 0.95-1.01x; with every tile spreading, 64-1,056 rows lost 4-7% to the
 // extra prefetches. Greedy decoding, both builds in one process, medians of 6 in turn: batch 4
 // 1.14x, 8 1.12x, 16 1.02x, 24 1.04x, 1 1.03x (batch 32, unchanged: 1.02x).
+// AVX-512 (a panel row is two lines: two fetched an input), the model's 121 one-row linears from
+// DRAM on a Cascade Lake Xeon, 2 threads, medians of 12 in turn, against the burst after the
+// tile: 1 row 1.09x, 4 rows 1.08x, 16 1.19x, 32 1.23x, 64 1.16x; spreading every tile's fetch lost
+// 8-12% at 128-256 rows there too.
 constexpr int64_t kSpreadFetchLines = 64;
+#if defined(__AVX512F__)
+constexpr int64_t kFetchLinesPerInput = 2;
+#else
+constexpr int64_t kFetchLinesPerInput = 1;
+#endif
 
 // Prefetches (into L2) the W lines of the panel chunk after this one, a share after each tile of
 // y: packing used to wait on DRAM for every chunk, ~25% of the time at 64 rows.
@@ -709,16 +734,15 @@ struct NextChunkFetch {
                  int64_t kb)
       : w(w), next_packed(next_packed), k(k), row0(row0), k0(k0), lines_per_row(std::min(kPanelK, k - k0) / 16),
         lines(kPanel * lines_per_row), tiles(tiles), kb(kb) {
-#if !defined(__AVX512F__)
-    // (at most one line an input: a tile of a short chunk keeps the burst)
-    spread = next_packed && tiles > 0 && lines >= kSpreadFetchLines * tiles && lines <= kb * tiles;
-#endif
+    // (at most one line an input, two on AVX-512: a tile of a short chunk keeps the burst)
+    spread = next_packed && tiles > 0 && lines >= kSpreadFetchLines * tiles && lines <= kFetchLinesPerInput * kb * tiles;
   }
-  // Where tile t fetches as it computes (nullptr: after_tile does) and its 16.16 lines per input.
+  // Where tile t fetches as it computes (nullptr: after_tile does) and its 16.16 steps per input
+  // (of kFetchLinesPerInput lines each).
   const char* spread_start(int64_t t, int64_t& step) const {
     if (!spread) return nullptr;
     const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
-    step = ((l1 - l0) << 16) / kb;
+    step = ((l1 - l0) << 16) / (kFetchLinesPerInput * kb) * kFetchLinesPerInput;
     return reinterpret_cast<const char*>(next_packed) + 64 * l0;
   }
   void after_tile() {  // tiles == 0: nothing comes next

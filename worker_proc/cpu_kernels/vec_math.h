@@ -224,14 +224,15 @@ __attribute__((always_inline)) inline void broadcast_tile_16(const float* a, int
 // c[i][0:32] (+)= sum_{k < kb} a[i * a_row + k] * b[32 k : 32 k + 32] for MR rows: 2 MR
 // accumulators, MR broadcasts and two loads per 2 MR FMAs (12 rows take 24 of AVX-512's 32
 // registers). With accumulate false, c starts from 0.
-template <int MR>
-__attribute__((always_inline)) inline void broadcast_tile_32(const float* a, int64_t a_row, int64_t kb, const float* b,
+template <int MR, typename LoadB>
+__attribute__((always_inline)) inline void broadcast_tile_32(const float* a, int64_t a_row, int64_t kb, LoadB&& load_b,
                                                              float* c, int64_t ldc, bool accumulate) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) acc[i][h] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * h) : _mm512_setzero_ps();
   for (int64_t k = 0; k < kb; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(b + 32 * k), b1 = _mm512_loadu_ps(b + 32 * k + 16);
+    __m512 b0, b1;
+    load_b(k, b0, b1);
     for (int i = 0; i < MR; ++i) {
       const __m512 x = _mm512_set1_ps(a[i * a_row + k]);
       acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
