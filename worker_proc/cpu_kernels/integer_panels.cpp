@@ -144,15 +144,17 @@ inline void quantize_group(const T* x, int8_t* q, float& dx, float& sum, int32_t
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
 }
 
+// Group `at` (row at / groups, group at % groups) of x into qx.
+template <typename T>
+inline void quantize_group_at(const T* x, const Int8Groups& qx, int64_t at) {
+  const int64_t row = at / qx.groups, g = at % qx.groups;
+  quantize_group(x + row * qx.k + g * kGroup, qx.at(row, g), qx.dx[at], qx.sum[at], qx.offset ? qx.offset + at : nullptr);
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t m, const Int8Groups& qx) {
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t g = 0; g < qx.groups; ++g) {
-        const int64_t at = i * qx.groups + g;
-        quantize_group(x + i * qx.k + g * kGroup, qx.at(i, g), qx.dx[at], qx.sum[at],
-                       qx.offset ? qx.offset + at : nullptr);
-      }
+    for (int64_t at = begin * qx.groups; at < end * qx.groups; ++at) quantize_group_at(x, qx, at);
   });
 }
 
@@ -468,10 +470,7 @@ void linear_panels_team(const T* x, int64_t m, int64_t k, const IntegerScratch& 
                         loom::BlockClaims& claims, Tile tile) {
   const Int8Groups qx = quantized_x(scratch.codes, scratch.scales, scratch.offsets, m, k);
 #pragma omp for schedule(static)
-  for (int64_t i = 0; i < m * qx.groups; ++i) {
-    const int64_t row = i / qx.groups, g = i % qx.groups;
-    quantize_group(x + row * k + g * kGroup, qx.at(row, g), qx.dx[i], qx.sum[i], qx.offset ? qx.offset + i : nullptr);
-  }
+  for (int64_t at = 0; at < m * qx.groups; ++at) quantize_group_at(x, qx, at);
   take_panels(qx, y, n_out, claims, tile);
 }
 
