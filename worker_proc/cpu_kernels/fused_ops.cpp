@@ -368,7 +368,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 // Team forms (team.h) for the layer stack's one region: rows split among the team, which meets
 // at the loop's closing barrier.
 void rms_norm_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
-                        int64_t rows, int64_t dim, double eps) {
+                   int64_t rows, int64_t dim, double eps) {
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r)
     rms_norm_row_bf16(x + r * dim, residual ? residual + r * dim : nullptr, weight, out + r * dim, dim,
@@ -376,8 +376,8 @@ void rms_norm_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFlo
 }
 
 void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
-                             const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                             at::BFloat16* kv, const int64_t* slots) {
+                        const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                        at::BFloat16* kv, const int64_t* slots) {
   const int64_t width = kv_heads * head_dim;
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
