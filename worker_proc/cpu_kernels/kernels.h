@@ -130,6 +130,8 @@ void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int6
                         const int64_t* slots);
 void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const float* kv,
                               float* out, float* partials);
+void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride,
+                              const at::Half* kv, float* out, float* partials);
 // The integer panels (pack_int8_panels' int8 weights with their float32 scale [n_out];
 // pack_int4_panels' int4 ones, from int4_panel_rows() rows): the team quantizes x into scratch
 // (codes m * k, scales 2 * m * k / 32, offsets m * k / 32), meets, then takes the panels (no barrier).
@@ -143,5 +145,3 @@ void linear_int8_panels_team(const float* x, int64_t m, int64_t k, const at::Ten
                              int64_t n_out, const IntegerScratch& scratch, float* y, loom::BlockClaims& claims);
 void linear_int4_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
                              const IntegerScratch& scratch, float* y, loom::BlockClaims& claims);
-void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride,
-                              const at::Half* kv, float* out, float* partials);

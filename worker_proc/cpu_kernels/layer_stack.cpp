@@ -72,9 +72,10 @@ struct LinearWeights {
            (int4_panels() && rows >= int4_panel_rows());
   }
   int64_t out_features() const { return int8_panels() ? tensors[1].numel() : tensors[0].size(0); }
-  // y [rows, out_features] = x [rows, k] @ W.T as a team form (in_f32_region(rows)); claims reset
-  // to team_blocks()
+  // Blocks a team shares (claims reset to these): the integer or float32 panels, or the packed
+  // bfloat16 blocks.
   int64_t team_blocks() const { return (int8_panels() ? tensors[0] : int4_panels() ? tensors[3] : packed()).size(0); }
+  // y [rows, out_features] = x [rows, k] @ W.T as a team form (in_f32_region(rows))
   void team(const float* x, int64_t rows, int64_t k, float* y, const IntegerScratch& scratch,
             loom::BlockClaims& claims) const {
     if (int8_panels())
@@ -301,8 +302,7 @@ class LayerStack {
       const Layer& layer = layers_[i];
       TORCH_CHECK(cols(layer.qkv) == qkv_cols && cols(layer.gate_up) == gate_up_cols, "layers of one shape expected");
       const LinearWeights* linears[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-      for (int j = 0; j < 4; ++j)
-        claims[4 * i + j].reset(bf16 ? linears[j]->packed().size(0) : linears[j]->team_blocks(), threads);
+      for (int j = 0; j < 4; ++j) claims[4 * i + j].reset(linears[j]->team_blocks(), threads);
       pools[i] = kv[i].data_ptr<KV>();
     }
     T *xp = x.data_ptr<T>(), *hp = h.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(), *attnp = attn.data_ptr<T>(),
