@@ -401,8 +401,8 @@ def test_int8_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_integer_panels_rows_do_not_depend_on_the_step(kernel, scheme):
-    """A row's output is the same bits whatever else is in the step: large steps quantize x into
-    the tiles' strips (tails of 1-3 rows included), smaller ones by rows."""
+    """A row's output is the same bits whatever else is in the step: x lies in the tiles' strips,
+    whose tails of 1-3 rows are tiles of their own."""
     if not kernel.integer_panels():
         pytest.skip("this build has no integer panels (no AVX2)")
     torch.manual_seed(7)

@@ -66,18 +66,10 @@ using Int8PanelCode = int8_t;
 // Tiles of one or two rows stream the weights: each step fetches a line this far ahead (8 groups).
 constexpr int64_t kInt8Ahead = 8 * kInt8GroupBytes;
 
-#if defined(LOOM_INTEGER_PANELS)
-#if defined(LOOM_VNNI_PANELS)
-constexpr int kTileRows = 4;  // rows of x per tile
-// x always in strips: the tiles' loads of x then sit at fixed offsets from one pointer. With x by
-// rows GCC spilled a pointer per row and step to the stack: 256 x 3,072 x 576 on one core of a
-// Cascade Lake Xeon, int8 117 -> 222-244 GOP/s, int4 145 -> 224 (vpdpbusd's own peak there ~280).
-constexpr int64_t kStripRows = 1;
-#else
-constexpr int kTileRows = 4;  // rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40 on Zen 3)
-constexpr int64_t kStripRows = 256;  // steps of this many rows or more quantize x into strips (Int8Groups)
-#endif
+// rows of x per tile (4 x 16 ran fastest of 1-6 x 8-40 features on Zen 3's AVX2; 4 x 32 on VNNI)
+constexpr int kTileRows = 4;
 
+#if defined(LOOM_INTEGER_PANELS)
 // Codes of group g, vector v (features kLanes v .. kLanes v + kLanes - 1) in the panel layout: 4
 // parts of 4 kLanes bytes, part p holding, in lane l, byte j: element 8 p + j (low nibble) and
 // 8 p + 4 + j (high nibble) of feature kLanes v + l. So one load feeds two products: the low
@@ -96,21 +88,19 @@ struct Int8Groups {
   float* sum;
   int32_t* offset;
   int64_t k, groups;
-  // With strips, q lies as the tiles read it: per tile of rows, per group, each row's 32 codes (one
-  // stream a tile where x outgrows L2). int4 on the model's shapes (Zen 3, 2 threads, outputs
-  // identical, medians of 8 in turn): 1,056 rows 1.095x, 256 rows 1.04x, 64 rows 1.00x; int8 1.02x
-  // at 1,056 rows.
+  // q lies as the tiles read it: per tile of kTileRows rows, per group, each row's 32 codes (one
+  // stream a tile). So every load of x in a tile is a fixed offset from one pointer; with x by rows
+  // GCC kept a pointer per row and step and spilled them to the stack. Cascade Lake Xeon: VNNI
+  // int8 256 x 3,072 x 576 on one core 117 -> 222-244 GOP/s, int4 145 -> 224; the avx2 build's
+  // model linears (2 threads, 16-1,024 rows) 1.07-1.13x.
   int64_t m = 0;
-  bool strips = false;
   // A tile of R rows from row0 (a multiple of kTileRows) finds row r's group g at
-  // tile_codes(row0) + r * row_step() + g * group_step(R).
+  // tile_codes(row0) + r * kGroup + g * R * kGroup.
   const int8_t* tile_codes(int64_t row0) const { return q + row0 * k; }
-  int64_t row_step() const { return strips ? kGroup : k; }
-  int64_t group_step(int64_t rows) const { return strips ? rows * kGroup : kGroup; }
   // where row i's group g lies
   int8_t* at(int64_t i, int64_t g) const {
-    const int64_t row0 = strips ? i / kTileRows * kTileRows : i, rows = std::min<int64_t>(kTileRows, m - row0);
-    return q + row0 * k + (i - row0) * row_step() + g * group_step(rows);
+    const int64_t row0 = i / kTileRows * kTileRows, rows = std::min<int64_t>(kTileRows, m - row0);
+    return q + row0 * k + (i - row0) * kGroup + g * rows * kGroup;
   }
 };
 
@@ -185,7 +175,7 @@ __attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int8_t* xq = qx.tile_codes(row0);
-  constexpr int64_t x_row = kGroup, x_group = R * kGroup;  // (strips)
+  constexpr int64_t x_row = kGroup, x_group = R * kGroup;
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* codes = w.group(panel, g);
     const int8_t* xg = xq + g * x_group;
@@ -233,7 +223,7 @@ __attribute__((always_inline)) inline void int8_tile(const uint8_t* panel, int64
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int8_t* xq = qx.tile_codes(row0);
-  constexpr int64_t x_row = kGroup, x_group = R * kGroup;  // (strips)
+  constexpr int64_t x_row = kGroup, x_group = R * kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* codes = panel + g * kInt8GroupBytes;
     const int8_t* xg = xq + g * x_group;
@@ -292,7 +282,7 @@ __attribute__((always_inline)) inline void int4_tile(const Int4Panels& w, int64_
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int8_t* xq = qx.tile_codes(row0);
-  const int64_t x_row = qx.row_step(), x_group = qx.group_step(R);
+  constexpr int64_t x_row = kGroup, x_group = R * kGroup;
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* codes = w.group(panel, g);
     const int8_t* xg = xq + g * x_group;
@@ -353,7 +343,7 @@ __attribute__((always_inline)) inline void int8_tile(const Int8PanelCode* panel,
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int8_t* xq = qx.tile_codes(row0);
-  const int64_t x_row = qx.row_step(), x_group = qx.group_step(R);
+  constexpr int64_t x_row = kGroup, x_group = R * kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const Int8PanelCode* codes = panel + g * kInt8GroupBytes;
     const int8_t* xg = xq + g * x_group;
@@ -419,7 +409,7 @@ Int8Groups quantized_x(int8_t* codes, float* scales, int32_t* offsets, int64_t m
 #if !defined(LOOM_VNNI_PANELS)
   offsets = nullptr;
 #endif
-  return {codes, scales, scales + m * groups, offsets, k, groups, m, m >= kStripRows};
+  return {codes, scales, scales + m * groups, offsets, k, groups, m};
 }
 
 // Every row of x times panel p into y [M, n_out] (x quantized in qx).
