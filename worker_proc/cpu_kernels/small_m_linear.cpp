@@ -597,7 +597,15 @@ constexpr int kPanelTileRows = 6;
 // 4.5%), 9-39 rows with 3 left over 1-5% (one shape 2% slower at 9 rows).
 constexpr int64_t kShortTailRows = 3;  // (loom::row_tile_at)
 #endif
-constexpr int64_t kPanelK = 256;   // inputs per panel chunk: 16 KB (AVX2) or 32 KB (AVX-512) of L1
+// Inputs per panel chunk: 16 KB of L1 either way. AVX-512's chunks of 256 inputs (32 KB) filled a
+// 32 KB L1 with no room for x: chunks of 128 on a Cascade Lake Xeon, the model's 121 linears from
+// DRAM, 2 threads, pairs in turn (16-20 rounds, two runs): 1 row 1.03x, 4 rows 1.04-1.06x, 16 rows
+// 1.14-1.15x, 32 rows 1.06x, 64 rows 0.99x, 128 rows 1.04-1.07x, 256 rows 1.01x.
+#if defined(__AVX512F__)
+constexpr int64_t kPanelK = 128;
+#else
+constexpr int64_t kPanelK = 256;
+#endif
 
 // y[i, n0 + r] = W[n0 + r] . x[i] for R rows of W streaming past MX rows of x (loom::tile_dots).
 template <int R, int MX>
@@ -714,10 +722,13 @@ inline void pack_panel(const float* w, int64_t k, int64_t row0, int64_t k0, int6
 // DRAM on a Cascade Lake Xeon, 2 threads, medians of 12 in turn, against the burst after the
 // tile: 1 row 1.09x, 4 rows 1.08x, 16 1.19x, 32 1.23x, 64 1.16x; spreading every tile's fetch lost
 // 8-12% at 128-256 rows there too.
-constexpr int64_t kSpreadFetchLines = 64;
+// AVX-512's chunks are half as long (kPanelK), so its tiles spread from 32 lines: with 64, 64-row
+// steps (32 lines a tile) went back to a burst and ran 0.94-0.97x against the longer chunks.
 #if defined(__AVX512F__)
+constexpr int64_t kSpreadFetchLines = 32;
 constexpr int64_t kFetchLinesPerInput = 2;
 #else
+constexpr int64_t kSpreadFetchLines = 64;
 constexpr int64_t kFetchLinesPerInput = 1;
 #endif
 
