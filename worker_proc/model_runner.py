@@ -17,6 +17,7 @@ from worker_proc.forward_batch import ForwardBatch, HostStaging
 from worker_proc.future_map import FutureMap
 from worker_proc.kv_cache import KVPool, resolve_kv_dtype
 from worker_proc.linear import pack_dense_weights, quantize_linears
+from worker_proc.malloc_policy import keep_freed_memory
 from worker_proc.model_config import ModelConfig, dllm_block_size, dllm_mask_token_id
 from worker_proc.model_loader import iter_checkpoint_tensors
 from worker_proc.models import MODEL_CLASSES
@@ -169,6 +170,8 @@ class ModelRunner:
         quantize_linears(self.model, rc.quantization, tp)  # after the cast: scales stay float32
         pack_dense_weights(self.model)
         self.model.build_layer_stack()
+        if not self.on_gpu:
+            keep_freed_memory()  # (after loading: its transient copies go back to the kernel)
         self.weight_bytes = sum(t.numel() * t.element_size()
                                 for t in {id(t): t for t in (*self.model.parameters(), *self.model.buffers())
                                           if t is not None}.values())
