@@ -735,7 +735,7 @@ constexpr int64_t kFetchLinesPerInput = 1;
 // Prefetches (into L2) the W lines of the panel chunk after this one, a share after each tile of
 // y: packing used to wait on DRAM for every chunk, ~25% of the time at 64 rows.
 // With prepacked panels, next_packed is where the next chunk starts: one contiguous range, fetched
-// into L1, on AVX2 spread over the tiles' inputs where they are few (kSpreadFetchLines).
+// into L1, spread over the tiles' inputs where they are few (kSpreadFetchLines; AVX2 and AVX-512).
 struct NextChunkFetch {
   const float* w;
   const float* next_packed;
