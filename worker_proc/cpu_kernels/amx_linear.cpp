@@ -86,6 +86,14 @@ inline void store_silu_rows(const float* sums, int64_t rows, at::BFloat16* y, in
   }
 }
 
+// rows x 32 float32 sums -> y as the linear gives it: the plain or the gated (silu) columns.
+inline void store_block_rows(const float* sums, int64_t rows, bool gated, at::BFloat16* y, int64_t ldy) {
+  if (gated)
+    store_silu_rows(sums, rows, y, ldy);
+  else
+    store_rows(sums, rows, y, ldy);
+}
+
 // A finished block's sums still to be written to y: a few rows at a time between the next block's
 // tile products (step), so the epilogue's vector work (the MLP's silu above all) runs beside the
 // tiles instead of after them. Outputs identical; 2 threads on the AMX Xeon, the model's linears
@@ -98,10 +106,7 @@ struct PendingRows {
   bool gated = false;
   inline void step(int64_t count) {
     const int64_t stop = std::min(rows, done + count);
-    if (gated)
-      store_silu_rows(sums + done * kBlockN, stop - done, y + done * ldy, ldy);
-    else
-      store_rows(sums + done * kBlockN, stop - done, y + done * ldy, ldy);
+    store_block_rows(sums + done * kBlockN, stop - done, gated, y + done * ldy, ldy);
     done = stop;
   }
   inline void finish() { step(rows); }
@@ -372,10 +377,7 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const at::Tensor
       rows = loom::row_tile_at(r, m, kDotRows, kDotRows / 4);
       for (int64_t b = g0; b < g1; ++b) {
         dot_rows_upto<kDotRows>(xp + r * k, k, wp + b * k * kBlockN, k, rows, sums, prefetch);
-        if (gated)
-          store_silu_rows(sums, rows, y + r * n + b * block_cols, n);
-        else
-          store_rows(sums, rows, y + r * n + b * block_cols, n);
+        store_block_rows(sums, rows, gated, y + r * n + b * block_cols, n);
       }
     }
   });
