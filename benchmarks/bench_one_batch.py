@@ -13,7 +13,9 @@ Reported per batch size: prefill s and tok/s; decode step ms (median) and tok/s;
 (time inside ModelRunner.forward / whole step time: the rest is scheduling and batch building);
 and the rooflines from the probes of the same run (by default each batch size's own: the mean of
 a GEMV and a GEMM probe right before and right after its timed steps; --probe-once takes the
-start-up probe's):
+start-up probe's; --prefill-rounds N also times the prefill alone N more times, each between
+GEMM probes, and reports the median of those rounds' shares of the roof: on a VM whose GEMM rate
+moves within minutes, one pair of probes around a batch's whole run can straddle a change):
   bandwidth  a decode step streams every weight once and each row's KV cache: batch x GEMV rate /
              (weight bytes + batch x mean context x KV bytes per token) tok/s (at batch 1 the
              limit of single-stream decode);
@@ -24,6 +26,7 @@ start-up probe's):
     python benchmarks/bench_one_batch.py --batch-sizes 1,4 --input-len 32 --output-len 8   # smoke test
     python benchmarks/bench_one_batch.py --dtype float32 --json out.json
     python benchmarks/bench_one_batch.py --batch-sizes 1 --quantization int4 --llamacpp-baseline
+    python benchmarks/bench_one_batch.py --batch-sizes 256 --input-len 128 --output-len 16 --prefill-rounds 5
 
 Writes --json (default: benchmarks/results/bench_one_batch_<timestamp>.json) and a plot of
 throughput against batch size next to it (when matplotlib is installed).
@@ -37,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 if __package__ in (None, ""):  # run as a script: make the repo root and `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -91,6 +94,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-once", action="store_true",
                    help="rooflines from the start-up probe only (default: each batch size also probes its "
                         "dtype's GEMM and GEMV right before and after its timed steps and takes the mean)")
+    p.add_argument("--prefill-rounds", type=int, default=0,
+                   help="after each batch size's run, time its prefill alone this many more times, each "
+                        "between GEMM probes (probe, prefill, probe, prefill, ..., probe), and report the median "
+                        "of the rounds' shares of the GEMM roof as its prefill %%GEMM (default: %(default)s: "
+                        "the share from the batch's own probes)")
     p.add_argument("--json", type=Path, default=None,
                    help="result file (default: benchmarks/results/bench_one_batch_<timestamp>.json)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
@@ -110,6 +118,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch-sizes wants comma-separated integers, got {args.batch_sizes!r}")
     if not args.batch_sizes or args.batch_sizes[0] < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("batch sizes, --input-len and --output-len must be at least 1")
+    if args.prefill_rounds < 0:
+        p.error("--prefill-rounds must be at least 0")
+    if args.prefill_rounds and (args.no_probe or args.probe_once):
+        p.error("--prefill-rounds takes probes of its own: drop --no-probe / --probe-once")
     return args
 
 
@@ -246,6 +258,11 @@ def summarize_steps(batch_size: int, input_len: int, steps: list[Step]) -> dict[
     }
 
 
+def prompt_flops(weights: WeightStats, input_len: int) -> float:
+    """Weight FLOPs per prompt token: the LM head runs for each prompt's last token alone."""
+    return weights.flops_per_token - weights.head_flops_per_token * (1 - 1 / input_len)
+
+
 def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: float | None,
                   gemm_rate_gflops: float | None, input_len: int, kv_bytes_per_step: float = 0.0) -> None:
     """Bandwidth roof: a decode step streams all weights once for the whole batch, and each row's
@@ -255,8 +272,7 @@ def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: floa
     step_bytes = weights.bytes + kv_bytes_per_step
     bw = row["batch_size"] * gemv_rate_gbs * 1e9 / step_bytes if gemv_rate_gbs else None
     gemm = gemm_rate_gflops * 1e9 / weights.flops_per_token if gemm_rate_gflops else None
-    prompt_flops = weights.flops_per_token - weights.head_flops_per_token * (1 - 1 / input_len)
-    prefill_gemm = gemm_rate_gflops * 1e9 / prompt_flops if gemm_rate_gflops else None
+    prefill_gemm = gemm_rate_gflops * 1e9 / prompt_flops(weights, input_len) if gemm_rate_gflops else None
     roof = min(x for x in (bw, gemm) if x is not None) if (bw or gemm) else None
     decode = row["decode_tok_s"]
 
@@ -269,6 +285,21 @@ def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: floa
         "decode_pct_of_roof": pct(decode, roof),
         "prefill_gemm_roof_tok_s": prefill_gemm, "prefill_pct_of_gemm_roof": pct(row["prefill_tok_s"], prefill_gemm),
     })
+
+
+def prefill_rounds(run_prefill: Callable[[], float], probe_gflops: Callable[[], float], rounds: int,
+                   prefill_roof_per_gflops: float) -> dict[str, Any]:
+    """`rounds` prefills, each between GEMM probes (probe, prefill, probe, ...): per round its
+    tok/s and its share of the GEMM roof taken from the mean of the probes either side; the median
+    share is the figure (a round that straddles a change of the VM's rate moves only itself)."""
+    probes = [probe_gflops()]
+    tok_s: list[float] = []
+    for _ in range(rounds):
+        tok_s.append(run_prefill())
+        probes.append(probe_gflops())
+    pcts = [100.0 * t / (prefill_roof_per_gflops * (a + b) / 2) for t, a, b in zip(tok_s, probes, probes[1:])]
+    return {"prefill_tok_s": tok_s, "gemm_gflops": probes, "pct_of_gemm_roof": pcts,
+            "median_pct_of_gemm_roof": statistics.median(pcts)}
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -418,6 +449,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               kv_bytes_per_step(bs))
             else:
                 add_rooflines(row, weights, gemv_rate, gemm_rate, args.input_len, kv_bytes_per_step(bs))
+            if args.prefill_rounds:
+                bar.set_description(f"batch {bs} prefill rounds")
+                prompts = fixed_length_requests(tokenizer, [args.input_len] * bs, [1] * bs, args.seed)
+
+                def run_prefill() -> float:
+                    steps = run_batch(runner, prompts)
+                    return bs * args.input_len / sum(s.step_s for s in steps)
+
+                def probe_gflops() -> float:
+                    with torch.inference_mode():
+                        return probe_gemm(dtype_name)["gflops"]
+
+                rounds = prefill_rounds(run_prefill, probe_gflops, args.prefill_rounds,
+                                        1e9 / prompt_flops(weights, args.input_len))
+                row["prefill_rounds"] = rounds
+                row["prefill_pct_of_gemm_roof_own_probes"] = row["prefill_pct_of_gemm_roof"]
+                row["prefill_pct_of_gemm_roof"] = rounds["median_pct_of_gemm_roof"]
+                print(f"batch {bs} prefill rounds: " + ", ".join(
+                    f"{t:.0f} tok/s = {p:.1f}%" for t, p in zip(rounds["prefill_tok_s"], rounds["pct_of_gemm_roof"]))
+                    + f" of the GEMM roof (probes {', '.join(f'{g:.0f}' for g in rounds['gemm_gflops'])} GFLOP/s)"
+                    f" -> median {rounds['median_pct_of_gemm_roof']:.1f}%", flush=True)
             rows.append(row)
     print(format_rows(rows))
     if rows[0]["batch_size"] == 1 and rows[0].get("bandwidth_roof_tok_s") and rows[0]["decode_tok_s"]:

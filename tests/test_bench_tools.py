@@ -12,7 +12,7 @@ import torch
 from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
 from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, measure_rounds, vllm_env, vllm_preloads,
                                vllm_server_command, vllm_version)
-from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, summarize_steps
+from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, prefill_rounds, summarize_steps
 from benchmarks.bench_serving_compare import loom_server_command
 from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
 
@@ -140,6 +140,17 @@ def test_step_summary_and_rooflines():
     # the batch's KV reads count with the weights: 4 rows x 10 GB/s / (1 + 0.25) GB
     add_rooflines(row, weights, gemv_rate_gbs=10.0, gemm_rate_gflops=100.0, input_len=100, kv_bytes_per_step=0.25e9)
     assert row["bandwidth_roof_tok_s"] == pytest.approx(32.0) and row["roof_tok_s"] == pytest.approx(32.0)
+
+
+def test_prefill_rounds_judge_each_prefill_by_the_probes_either_side():
+    """probe, prefill, probe, ...: each round's share uses the mean of its own two probes, so one
+    phase change moves one round and the median keeps the rest."""
+    probes = iter([100.0, 100.0, 300.0, 300.0, 300.0])
+    prefills = iter([50.0, 100.0, 150.0, 150.0])
+    rounds = prefill_rounds(lambda: next(prefills), lambda: next(probes), 4, prefill_roof_per_gflops=1.0)
+    assert rounds["gemm_gflops"] == [100.0, 100.0, 300.0, 300.0, 300.0]
+    assert rounds["pct_of_gemm_roof"] == pytest.approx([50.0, 50.0, 50.0, 50.0])
+    assert rounds["median_pct_of_gemm_roof"] == pytest.approx(50.0)
 
 
 def test_plots_write_pngs(tmp_path):
