@@ -1161,175 +1161,6 @@ void attend_tile_amx(const Problem& p, const Task& task, const c10::BFloat16* q,
   }
   _tile_release();
 }
-
-// attend_decode on AMX tiles (bfloat16 q and pool, D of 32 or 64, at most 16 query heads): the
-// same contract as attend_decode, its products on tiles, so that a row's time is close to the time
-// its slots take to arrive. Per group of 16 cached tokens:
-//   scores S^T [16 tokens x heads] = K [16 tokens x D] . Q^T, one tile summed over the kv heads:
-//     K's rows as they lie in the slots (a tile's rows at the slot stride), Q^T in the VNNI form
-//     with the columns of that kv head's query heads only (zero elsewhere);
-//   values O [heads x D] += P [heads x 16 tokens] . V [16 tokens x D], summed over the kv heads
-//     in the same tiles, P's rows of the other kv heads' query heads zero. V's rows as they lie
-//     pair adjacent dims in the VNNI form, so P goes in twice, its tokens at the even and at the
-//     odd positions with zeros between: even and odd dims come out in two tiles (twice the tile
-//     work, no reshuffle of V).
-// The value sums stay in tiles across groups: the softmax runs against a reference max per head
-// that moves (and rescales the sums) only when a score passes it by kMaxDrift, so the exps stay
-// below e^kMaxDrift. 16 consecutive slots (a prompt's, most often) are read in place, others
-// copied first into a group buffer.
-template <int64_t D>
-void attend_decode_amx(const Problem& p, const Task& task, const c10::BFloat16* q, const c10::BFloat16* kv,
-                       float* partial) {
-  static_assert(D == 32 || D == 64, "value sums of D = 64 take all four sum tiles");
-  constexpr int64_t NS = D / 32;  // 32-dim slices of a head (a tile row)
-  constexpr int64_t kGroup = 16;  // tokens per tile
-  constexpr float kMaxDrift = 8.f;
-  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
-  const int64_t begin = task.first_token, end = task.first_token + task.num_tokens, token = p.token_starts[row];
-  const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
-  const int64_t slot_elems = 2 * KVH * D, slot_bytes = slot_elems * 2, pool_stride_bytes = p.kv_slot_stride * 2;
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-
-  // per thread: Q^T per (kv head, slice); P per kv head [even, odd][head][32]; a group's copied slots
-  thread_local std::vector<uint16_t> qt_buf, pa_buf, copy_buf;
-  qt_buf.assign(KVH * NS * 16 * 32, 0);
-  pa_buf.assign(KVH * 2 * 16 * 32 + 32, 0);
-  if (copy_buf.size() < static_cast<size_t>(kGroup * slot_elems + 32)) copy_buf.resize(kGroup * slot_elems + 32);
-  auto aligned = [](uint16_t* ptr) { return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(ptr) + 63) & ~uintptr_t{63}); };
-  uint16_t* gathered = aligned(copy_buf.data());
-  uint16_t* pa = aligned(pa_buf.data());
-  const uint16_t* qrow = reinterpret_cast<const uint16_t*>(q + token * p.q_row_stride);
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t s = 0; s < NS; ++s)
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t j = 0; j < 2; ++j) qt_buf[(((h / G) * NS + s) * 16 + r) * 32 + 2 * h + j] = qrow[h * D + 32 * s + 2 * r + j];
-  alignas(64) float scores[kGroup][16];
-  alignas(64) float sums[4][16][16];
-  alignas(64) float out[16][D] = {};
-  const __mmask16 heads = static_cast<__mmask16>((1u << H) - 1);
-  __m512 ref_max = _mm512_set1_ps(-kInf), run_sum = _mm512_setzero_ps();
-  const __m512 floor = _mm512_set1_ps(-87.f);
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i even_odd_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i even_odd_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  // out[h] (+)= the value tiles' sums, their even and odd dims interleaved, times c[h]
-  auto drain_sums = [&](const float* c) {
-    for (int64_t t = 0; t < 2 * NS; ++t) {
-      switch (t) {  // (tile numbers are immediates)
-        case 0: _tile_stored(4, sums[0], 64); _tile_zero(4); break;
-        case 1: _tile_stored(5, sums[1], 64); _tile_zero(5); break;
-        case 2: _tile_stored(6, sums[2], 64); _tile_zero(6); break;
-        default: _tile_stored(7, sums[3], 64); _tile_zero(7);
-      }
-    }
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t s = 0; s < NS; ++s) {
-        const __m512 even = _mm512_load_ps(sums[2 * s][h]), odd = _mm512_load_ps(sums[2 * s + 1][h]), ch = _mm512_set1_ps(c[h]);
-        float* o = out[h] + 32 * s;
-        _mm512_store_ps(o, _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(o), _mm512_permutex2var_ps(even, even_odd_lo, odd)), ch));
-        _mm512_store_ps(o + 16, _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(o + 16), _mm512_permutex2var_ps(even, even_odd_hi, odd)), ch));
-      }
-  };
-
-  // 0: scores; 1: K or V rows; 2: Q^T, or P at the even positions; 3: P at the odd ones;
-  // 4-7: value sums (even dims of slice s in 4 + 2 s, odd in 5 + 2 s)
-  loom::configure_tiles({16, 16, 16, 16, 16, 16, 16, 16});
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  for (int64_t first = begin; first < end; first += kGroup) {
-    const int64_t n = std::min<int64_t>(kGroup, end - first);
-    const char* base;
-    int64_t stride;
-    const auto consecutive = [&] {
-      return _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(slots + first),
-                                     _mm512_add_epi32(_mm512_set1_epi32(slots[first]), iota)) == 0xFFFF;
-    };
-    if (n == kGroup && consecutive()) {
-      base = reinterpret_cast<const char*>(kv + slots[first] * p.kv_slot_stride);
-      stride = pool_stride_bytes;
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        const char* src = reinterpret_cast<const char*>(kv + slots[first + i] * p.kv_slot_stride);
-        char* dst = reinterpret_cast<char*>(gathered + i * slot_elems);
-        for (int64_t off = 0; off < slot_bytes; off += 64) _mm512_store_si512(dst + off, _mm512_loadu_si512(src + off));
-      }
-      std::memset(gathered + n * slot_elems, 0, (kGroup - n) * slot_bytes);  // tokens past the end: zero K and V
-      base = reinterpret_cast<const char*>(gathered);
-      stride = slot_bytes;
-    }
-    // scores [token][head]
-    _tile_zero(0);
-    for (int64_t kh = 0; kh < KVH; ++kh)
-      for (int64_t s = 0; s < NS; ++s) {
-        _tile_loadd(1, base + (kh * D + 32 * s) * 2, stride);
-        _tile_loadd(2, qt_buf.data() + (kh * NS + s) * 16 * 32, 64);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-    _tile_stored(0, scores, 64);
-    __m512 group_max = _mm512_set1_ps(-kInf);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m512 s = _mm512_mul_ps(_mm512_load_ps(scores[i]), _mm512_set1_ps(p.scale));
-      _mm512_store_ps(scores[i], s);
-      group_max = _mm512_max_ps(group_max, s);
-    }
-    if (_mm512_mask_cmp_ps_mask(heads, group_max, _mm512_add_ps(ref_max, _mm512_set1_ps(kMaxDrift)), _CMP_GT_OQ)) {
-      const __m512 new_max = _mm512_max_ps(ref_max, group_max);
-      const vf c = loom::vexp16(reinterpret_cast<vf>(_mm512_max_ps(_mm512_sub_ps(ref_max, new_max), floor)));
-      drain_sums(reinterpret_cast<const float*>(&c));
-      run_sum = _mm512_mul_ps(run_sum, reinterpret_cast<const __m512&>(c));
-      ref_max = new_max;
-    }
-    // probabilities of the heads' lanes (0 past the tokens), then P per kv head in bf16; the
-    // next group's slots are fetched meanwhile, a slot a token (a burst of them stalls)
-    __m512i prob[16];
-    for (int64_t i = 0; i < kGroup; ++i) {
-      if (first + kGroup + i < end) prefetch_slot(kv + slots[first + kGroup + i] * p.kv_slot_stride, slot_bytes);
-      __m512 e = _mm512_setzero_ps();
-      if (i < n) {
-        const vf x = reinterpret_cast<vf>(_mm512_max_ps(_mm512_sub_ps(_mm512_load_ps(scores[i]), ref_max), floor));
-        const vf ex = loom::vexp16(x);
-        e = _mm512_maskz_mov_ps(heads, reinterpret_cast<const __m512&>(ex));
-      }
-      run_sum = _mm512_add_ps(run_sum, e);
-      prob[i] = _mm512_castps_si512(e);
-    }
-    transpose_16x16(prob);  // prob[h]: head h's 16 tokens
-    for (int64_t h = 0; h < H; ++h) {
-      const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(prob[h])));
-      uint16_t* pk = pa + (h / G) * 2 * 16 * 32;
-      _mm512_store_si512(pk + h * 32, wide);
-      _mm512_store_si512(pk + (16 + h) * 32, _mm512_slli_epi32(wide, 16));
-    }
-    // value sums += P V, a kv head at a time into the same tiles
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      const char* v = base + (KVH + kh) * D * 2;
-      _tile_loadd(2, pa + kh * 2 * 16 * 32, 64);
-      _tile_loadd(3, pa + (kh * 2 + 1) * 16 * 32, 64);
-      _tile_loadd(1, v, stride);
-      _tile_dpbf16ps(4, 2, 1);
-      _tile_dpbf16ps(5, 3, 1);
-      if constexpr (NS == 2) {
-        _tile_loadd(1, v + 64, stride);
-        _tile_dpbf16ps(6, 2, 1);
-        _tile_dpbf16ps(7, 3, 1);
-      }
-    }
-  }
-  const float ones[16] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-  drain_sums(ones);
-  _tile_release();
-  alignas(64) float maxes[16], totals[16];
-  _mm512_store_ps(maxes, ref_max);
-  _mm512_store_ps(totals, run_sum);
-  for (int64_t h = 0; h < H; ++h) {
-    float* o = partial + h * (D + 2);
-    std::memcpy(o, out[h], D * sizeof(float));
-    o[D] = maxes[h];
-    o[D + 1] = totals[h];
-  }
-}
 #endif
 
 // Any head size: the same math one query head at a time, with plain loops.
@@ -1397,12 +1228,6 @@ void attend_team(const Problem& p, const std::vector<Task>& tasks, const std::ve
         // the task this thread likely takes next (the dynamic schedule hands them out in turn)
         const int64_t after = i + omp_get_num_threads();
         [[maybe_unused]] const Task* next = after < num_tasks && tasks[after].kv_head < 0 ? &tasks[after] : nullptr;
-#if defined(LOOM_AMX_ATTENTION)
-        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
-          if (amx && H <= 16 && D == 64) { attend_decode_amx<64>(p, task, q, kv, partial); continue; }
-          if (amx && H <= 16 && D == 32) { attend_decode_amx<32>(p, task, q, kv, partial); continue; }
-        }
-#endif
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
           if (D == 64) { attend_decode_dpbf16<4>(p, task, q, kv, partial, next); continue; }
@@ -1573,7 +1398,7 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
     int64_t parts = std::max<int64_t>(1, std::min(split, len / kMinDecodePart));
     if (parts > threads) parts -= parts % threads;  // 3 parts on 2 threads take as long as 4
     plan->decode_rows.push_back({r, num_partials, parts});
-    // (part boundaries on multiples of 16 tokens: the AMX decode path reads 16 slots at a time)
+    // (part boundaries on multiples of 16 tokens: the decode kernels read blocks of 16 slots)
     auto boundary = [&](int64_t k) { return k == parts ? len : len * k / parts / 16 * 16; };
     for (int64_t k = 0; k < parts; ++k) {
       const int64_t first = boundary(k), last = boundary(k + 1);
