@@ -303,8 +303,8 @@ class SchedulerCore:
         """Gives each decode without reserved slots a run of consecutive ones, up to its next
         position that is a multiple of KV_SLOT_RUN (or its last token), so that a request's KV
         lies in runs of slots rather than interleaved with every other decode of the step: the
-        attention kernels read a run as one stream. Runs come
-        only from free slots; short of them, a slot each."""
+        attention kernels read a run as one stream. Runs come only from free slots; short of them,
+        a slot each."""
         short = [r for r in decoding if not len(r.kv_reserve)]
         runs = [max(1, min(KV_SLOT_RUN - r.num_computed % KV_SLOT_RUN, r.remaining_new_tokens)) for r in short]
         if sum(runs) > self.token_pool.num_free:
