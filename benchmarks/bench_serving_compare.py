@@ -13,9 +13,10 @@
 
 Each side runs alone (the previous one is shut down first). Prints output tok/s of each and the
 ratios loom HTTP / loom offline, loom HTTP / llama.cpp server and loom HTTP / vLLM server. With
---rounds N, loom's and vLLM's servers are measured N times in turn (a fresh server each time,
-every other round vLLM first) and the ratio is the median of the rounds' ratios: a VM's speed can
-move by tens of per cent within minutes, which one pair of runs cannot tell from the engines.
+--rounds N, loom offline, loom's server and vLLM's server are measured N times in turn (a fresh
+engine or server each time, every other round in reverse order, loom's server always next to
+loom offline) and each ratio is the median of the rounds' ratios: a VM's speed can move by tens
+of per cent within minutes, which one pair of runs cannot tell from the engines.
 
     python benchmarks/bench_serving_compare.py                      # 64 requests, 32 streams
     python benchmarks/bench_serving_compare.py --num-prompts 128 --no-llamacpp --no-vllm
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp server side")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM server side")
     p.add_argument("--rounds", type=int, default=1,
-                   help="measure loom's and vLLM's servers this many times in turn; the ratio is the median of "
-                        "the rounds' (default: %(default)s)")
+                   help="measure loom offline, loom's server and vLLM's server this many times in turn; each "
+                        "ratio is the median of the rounds' (default: %(default)s)")
     add_vllm_args(p)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -125,10 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from launch import Engine
 
-    with Engine(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                kernel_isa=args.kernel_isa, max_running_requests=args.concurrency,
-                log_level="warning") as engine:
-        results["loom_offline"] = run_loom(engine, requests)
+    def run_loom_offline() -> dict:
+        with Engine(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                    kernel_isa=args.kernel_isa, max_running_requests=args.concurrency,
+                    log_level="warning") as engine:
+            return run_loom(engine, requests)
+
+    results["loom_offline"] = run_loom_offline()
 
     results["loom_http"] = run_loom_server(args)
 
@@ -155,17 +159,26 @@ def main(argv: list[str] | None = None) -> dict:
         vllm = run_vllm_side(args, results)
         if vllm is not None:
             results["vllm_http"] = vllm
+            # (loom HTTP in the middle: next to loom offline, its own ratio's other side, either way)
             results["rounds"] = measure_rounds(
-                args.rounds, {"loom_http": results["loom_http"]["output_throughput"],
+                args.rounds, {"loom_offline": results["loom_offline"]["output_tok_s"],
+                              "loom_http": results["loom_http"]["output_throughput"],
                               "vllm_http": vllm["output_throughput"]},
-                {"loom_http": lambda: run_loom_server(args)["output_throughput"],
-                 "vllm_http": lambda: run_vllm_side(args, results)["output_throughput"]})
+                {"loom_offline": lambda: run_loom_offline()["output_tok_s"],
+                 "loom_http": lambda: run_loom_server(args)["output_throughput"],
+                 "vllm_http": lambda: run_vllm_side(args, results)["output_throughput"]},
+                {"ratio": ("loom_http", "vllm_http"), "http_over_offline": ("loom_http", "loom_offline")})
 
-    offline = results["loom_offline"]["output_tok_s"]
     rounds = results.get("rounds", [])
+    offline = (statistics.median(r["loom_offline"] for r in rounds) if rounds
+               else results["loom_offline"]["output_tok_s"])
     http = statistics.median(r["loom_http"] for r in rounds) if rounds else results["loom_http"]["output_throughput"]
-    rows = [["loom offline (Engine)", f"{offline:.1f}", ""], ["loom HTTP", f"{http:.1f}", f"{http / offline:.2f}x offline"]]
-    results["ratios"] = {"loom_http_over_offline": http / offline}
+    # with rounds, each round's HTTP over its own offline run, the median of those
+    http_over_offline = statistics.median(r["http_over_offline"] for r in rounds) if rounds else http / offline
+    rows = [["loom offline (Engine)" + (" (median)" if len(rounds) > 1 else ""), f"{offline:.1f}", ""],
+            ["loom HTTP" + (" (median)" if len(rounds) > 1 else ""), f"{http:.1f}",
+             f"{http_over_offline:.2f}x offline" + (" (median of rounds)" if len(rounds) > 1 else "")]]
+    results["ratios"] = {"loom_http_over_offline": http_over_offline}
     if "llamacpp_http" in results:
         lc = results["llamacpp_http"]["output_throughput"]
         rows.append(["llama.cpp server", f"{lc:.1f}", f"loom HTTP = {http / lc:.2f}x"])
@@ -173,8 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
     if rounds:  # (one round: its figures; more: each round's, then the medians)
         several = len(rounds) > 1
         for i, r in enumerate(rounds if several else []):
-            rows.append([f"round {i + 1}: loom HTTP / vLLM", f"{r['loom_http']:.1f} / {r['vllm_http']:.1f}",
-                         f"{r['ratio']:.2f}x"])
+            rows.append([f"round {i + 1}: loom offline / HTTP / vLLM",
+                         f"{r['loom_offline']:.1f} / {r['loom_http']:.1f} / {r['vllm_http']:.1f}",
+                         f"{r['http_over_offline']:.2f}x offline, {r['ratio']:.2f}x vLLM"])
         v = statistics.median(r["vllm_http"] for r in rounds)
         ratio = statistics.median(r["ratio"] for r in rounds)
         rows.append([f"vLLM server{' (median)' if several else ''}", f"{v:.1f}",

@@ -210,19 +210,22 @@ SYSTEM_LIB_DIRS = (f"/usr/lib/{platform.machine()}-linux-gnu", f"/lib/{platform.
                    "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
-def measure_rounds(rounds: int, first: dict[str, float], runs: dict[str, Callable[[], float]]) -> list[dict]:
-    """Each round's output tok/s of loom and of vLLM (`first`'s and `runs`' two keys, loom's
-    first) and their ratio: the first round's as given, then rounds - 1 more, every other one
-    vLLM first (so a VM slowing down or speeding up over the run does not favour the side that
-    always runs first)."""
+def measure_rounds(rounds: int, first: dict[str, float], runs: dict[str, Callable[[], float]],
+                   ratios: dict[str, tuple[str, str]] | None = None) -> list[dict]:
+    """Each round's output tok/s of every side (`first`'s and `runs`' keys, in the same order) and
+    the ratios named in `ratios` (name: (numerator side, denominator side); default "ratio": the
+    first side over the second): the first round's as given, then rounds - 1 more, every other one
+    in reverse order (so a VM slowing down or speeding up over the run does not favour the side
+    that always runs first; a side in the middle stays next to both of its neighbours)."""
     measured = [dict(first)]
     for r in range(1, rounds):
         print(f"round {r + 1} of {rounds}", flush=True)
         sides = list(runs.items())
         measured.append({name: run() for name, run in (sides[::-1] if r % 2 else sides)})
-    loom, other = first
+    names = list(first)
     for this in measured:
-        this["ratio"] = this[loom] / this[other]
+        for ratio, (top, bottom) in (ratios or {"ratio": (names[0], names[1])}).items():
+            this[ratio] = this[top] / this[bottom]
     return measured
 
 

@@ -281,6 +281,26 @@ def test_serving_rounds_alternate_which_side_runs_first_and_take_each_rounds_rat
     assert [(r["loom_http"], r["vllm_http"]) for r in rounds] == [(450.0, 300.0), (300.0, 200.0), (330.0, 300.0)]
 
 
+def test_rounds_of_three_sides_keep_the_middle_one_next_to_both_and_take_named_ratios():
+    calls = []
+
+    def side(name, values):
+        values = iter(values)
+
+        def run():
+            calls.append(name)
+            return next(values)
+        return run
+
+    rounds = measure_rounds(3, {"offline": 100.0, "http": 90.0, "vllm": 60.0},
+                            {"offline": side("offline", [200.0, 110.0]), "http": side("http", [190.0, 99.0]),
+                             "vllm": side("vllm", [95.0, 90.0])},
+                            {"ratio": ("http", "vllm"), "http_over_offline": ("http", "offline")})
+    assert calls == ["vllm", "http", "offline", "offline", "http", "vllm"]
+    assert [r["ratio"] for r in rounds] == pytest.approx([1.5, 2.0, 1.1])
+    assert [r["http_over_offline"] for r in rounds] == pytest.approx([0.9, 0.95, 0.9])
+
+
 def test_loom_server_gets_the_offline_sides_settings():
     args = SimpleNamespace(port=30700, dtype="float32", quantization="none", kv_cache_dtype="auto",
                            kernel_isa="avx2", concurrency=32)
