@@ -454,8 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 prompts = fixed_length_requests(tokenizer, [args.input_len] * bs, [1] * bs, args.seed)
 
                 def run_prefill() -> float:
-                    steps = run_batch(runner, prompts)
-                    return bs * args.input_len / sum(s.step_s for s in steps)
+                    return summarize_steps(bs, args.input_len, run_batch(runner, prompts))["prefill_tok_s"]
 
                 def probe_gflops() -> float:
                     with torch.inference_mode():
