@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"vllm: {len(requests)} requests in one generate call ({args.vllm_dtype}; start-up and compile "
               f"warm-up take a minute or more, untimed) ...", flush=True)
         engine_args = vllm_engine_args(args.max_running_requests, args.max_prefill_tokens + args.max_running_requests,
-                                       args.kv_cache_gb)  # loom's limits, as hf-cb gets them
+                                       args.kv_cache_gb, args.vllm_kv_cache_dtype)  # loom's limits, as hf-cb gets them
         env = vllm_env(vllm_preload, args.vllm_omp_threads_bind)
         results["vllm"] = {"dtype": args.vllm_dtype,
                            **run_vllm(args.vllm_python, model_dir, requests, args.vllm_dtype, engine_args, env)}

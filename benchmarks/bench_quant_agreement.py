@@ -1,13 +1,15 @@
 """Greedy agreement of the weight-only quantized paths with the unquantized one.
 
 Runs the same chat prompts greedily (--max-tokens each, EOS honoured) through loom's `Engine`
-with `--quantization none`, then each scheme in --schemes (and, with --compare-dtype, the
-unquantized model in another dtype, for scale), and reports per side: how many
+with `--quantization none`, then each scheme in --schemes, each KV cache dtype in
+--kv-cache-dtypes (unquantized weights), and with --compare-dtype the unquantized model in
+another dtype, for scale; it reports per side: how many
 completions are identical to the unquantized one, and the mean share of each completion that
 matches it token for token before the first difference.
 
     python benchmarks/bench_quant_agreement.py
     python benchmarks/bench_quant_agreement.py --schemes int4 --max-tokens 128 --json out.json
+    python benchmarks/bench_quant_agreement.py --schemes "" --kv-cache-dtypes int8,float16 --compare-dtype float32
 """
 
 from __future__ import annotations
@@ -54,17 +56,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare-dtype", default=None, choices=["float32", "bfloat16"],
                    help="also compare the unquantized model in this dtype, for scale: how much a dtype "
                         "change alone moves greedy outputs")
+    p.add_argument("--kv-cache-dtypes", default="", help="comma list of KV cache dtypes to compare too, unquantized "
+                   "weights (e.g. int8,float16; default: none)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    args.kv_cache_dtypes = [s.strip() for s in args.kv_cache_dtypes.split(",") if s.strip()]
     return args
 
 
-def completions(quantization: str, dtype: str, max_tokens: int) -> tuple[list[list[int]], str]:
+def completions(quantization: str, dtype: str, max_tokens: int, kv_cache_dtype: str = "auto"
+                ) -> tuple[list[list[int]], str]:
     from launch import Engine
 
     params = {"max_new_tokens": max_tokens, "temperature": 0.0}
-    with Engine(quantization=quantization, dtype=dtype, log_level="warning") as engine:
+    with Engine(quantization=quantization, dtype=dtype, kv_cache_dtype=kv_cache_dtype, log_level="warning") as engine:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                         add_generation_prompt=True) for p in PROMPTS]
         outs = engine.generate(prompts, sampling_params=params)
@@ -94,6 +100,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         r = agreement(reference, outs)
         results[scheme] = r
         rows.append([scheme, f"{r['identical']}/{r['completions']}", f"{100 * r['mean_matching_prefix']:.1f}%"])
+    for kv_dtype in args.kv_cache_dtypes:
+        outs, _ = completions("none", args.dtype, args.max_tokens, kv_dtype)
+        r = agreement(reference, outs)
+        results[f"kv cache {kv_dtype}"] = r
+        rows.append([f"kv cache {kv_dtype}", f"{r['identical']}/{r['completions']}", f"{100 * r['mean_matching_prefix']:.1f}%"])
     if args.compare_dtype:
         outs, _ = completions("none", args.compare_dtype, args.max_tokens)
         r = agreement(reference, outs)

@@ -233,7 +233,7 @@ def run_vllm_side(args, results: dict) -> dict | None:
     loom_defaults = ServerArgs()
     # loom's limits: --concurrency requests at once, its prompt budget plus one decode each, its KV memory
     engine_args = vllm_engine_args(args.concurrency, loom_defaults.max_prefill_tokens + args.concurrency,
-                                   loom_defaults.kv_cache_gb)
+                                   loom_defaults.kv_cache_gb, args.vllm_kv_cache_dtype)
     port = args.port + 2
     print(f"vLLM server {version} ({args.vllm_python}): {args.vllm_dtype}, threads bound to "
           f"{args.vllm_omp_threads_bind}, preloaded: {', '.join(Path(p).name for p in preloads) or 'nothing'}"

@@ -246,6 +246,9 @@ def add_vllm_args(parser) -> None:
     parser.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                         help="vLLM's dtype (default: %(default)s; on CPUs without AMX float32 beats bfloat16, "
                              "and float16 beats both where the CPU has AVX512-FP16)")
+    parser.add_argument("--vllm-kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="vLLM's KV cache dtype (default: %(default)s, its dtype; fp8 halves the bytes a decode "
+                             "reads, as loom's --kv-cache-dtype int8 does)")
     parser.add_argument("--vllm-omp-threads-bind", default=default_omp_bind(),
                         help="cores for vLLM's compute threads, its VLLM_CPU_OMP_THREADS_BIND (default: every core, "
                              "%(default)s)")
@@ -318,10 +321,15 @@ def avx2_only_vllm_env(folder: Path, base: dict[str, str]) -> dict[str, str]:
     return {**base, **AVX2_ONLY_ENV, "PYTHONPATH": path}
 
 
-def vllm_engine_args(max_num_seqs: int, max_num_batched_tokens: int, kv_cache_gb: float) -> dict[str, int]:
-    """The limits vLLM gets from loom's settings: requests at once, tokens per step, KV memory."""
-    return {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-            "kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+def vllm_engine_args(max_num_seqs: int, max_num_batched_tokens: int, kv_cache_gb: float,
+                     kv_cache_dtype: str = "auto") -> dict[str, int | str]:
+    """The limits vLLM gets from loom's settings: requests at once, tokens per step, KV memory
+    (and its KV cache dtype where not its default)."""
+    args: dict[str, int | str] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                                  "kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+    if kv_cache_dtype != "auto":
+        args["kv_cache_dtype"] = kv_cache_dtype
+    return args
 
 
 def vllm_server_command(python: str, model_dir: Path | str, port: int, dtype: str,

@@ -134,6 +134,44 @@ def test_paged_attention_over_a_narrower_pool(kernel, dtype, kv_dtype, tol, head
         _check_against_sdpa(kv, req_to_token, req_idx[r], q_rows, out, starts, extend_lens[r], prefix_lens[r], tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (8, 2, 16), (3, 1, 18)])
+def test_paged_attention_over_an_int8_pool(kernel, dtype, heads, kv_heads, head_dim):
+    """--kv-cache-dtype int8: store_kv quantizes each head row as quantize_kv_rows does, and every
+    row kind (split decodes, prompts, chunks over a prefix) attends as over the dequantized values
+    (bfloat16 steps round the dequantized values to bfloat16, and decodes on VNNI builds take q as
+    two rows of int8 codes: hence the looser bound there)."""
+    from worker_proc.kv_cache import dequantize_kv_rows, quantize_kv_rows
+
+    torch.manual_seed(3)
+    slots, reqs, ctx = 3000, 6, 900
+    values = torch.randn(slots, 2, kv_heads, head_dim) * torch.rand(slots, 1, kv_heads, 1) * 3
+    values[7] = 0  # an all-zero row: scale 0
+    kv = torch.zeros(slots, 2, kv_heads, head_dim + 4, dtype=torch.int8)
+    kernel.store_kv(kv, torch.arange(slots, dtype=torch.int32), values[:, 0].to(dtype), values[:, 1].to(dtype))
+    expected = quantize_kv_rows(values.to(dtype).float())
+    assert (kv.view(torch.uint8) != expected.view(torch.uint8)).float().mean() < 1e-3  # (ties may round apart)
+    dequantized = dequantize_kv_rows(kv, torch.float32)
+    torch.testing.assert_close(dequantized, values.to(dtype).float(), atol=values.abs().max() / 250, rtol=0)
+    req_to_token = torch.randint(1, slots, (reqs, ctx), dtype=torch.int32)
+    req_to_token[0, :40] = 7
+    req_idx = torch.tensor([4, 0, 2, 5, 1])
+    extend_lens = torch.tensor([1, 33, 1, 7, 1])
+    prefix_lens = torch.tensor([899, 0, 64, 300, 15])
+    token_starts = torch.cumsum(extend_lens, 0) - extend_lens
+    q = (torch.randn(int(extend_lens.sum()), heads, head_dim) * 2).to(dtype)
+    kernel_exact = "__AVX512VNNI__" not in kernel.target_macros()
+    for rows in ([0], [0, 1, 2, 3, 4]):  # one long decode alone: split across the threads
+        r = torch.tensor(rows)
+        starts = torch.cumsum(extend_lens[r], 0) - extend_lens[r]
+        q_rows = torch.cat([q[token_starts[i] : token_starts[i] + extend_lens[i]] for i in rows])
+        out = kernel.paged_attention(q_rows, kv, req_to_token, req_idx[r], starts, extend_lens[r],
+                                     prefix_lens[r] + extend_lens[r], head_dim**-0.5)
+        assert out.dtype == dtype
+        _check_against_sdpa(dequantized, req_to_token, req_idx[r], q_rows, out, starts, extend_lens[r],
+                            prefix_lens[r], (1e-4 if kernel_exact else 3e-3) if dtype == torch.float32 else 1e-1)
+
+
 def _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol):
     seq_lens = prefix_lens + extend_lens
     for r in range(len(req_idx)):

@@ -218,7 +218,8 @@ def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, requ
 
 
 REGION_CASES = [("bfloat16", "none", "auto"), ("float32", "none", "float32"), ("float32", "none", "float16"),
-                ("float32", "int8", "float16"), ("float32", "int4", "float32")]
+                ("float32", "int8", "float16"), ("float32", "int4", "float32"), ("bfloat16", "none", "int8"),
+                ("float32", "none", "int8")]
 
 
 @pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", REGION_CASES,
@@ -228,7 +229,7 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
     balanced between threads) give the logits of its op-by-op calls bit for bit: prompt steps (the
     last layer narrowed to the logit rows), mixed and decode steps, one-row steps (bfloat16: their
     own linears without AMX) included; bfloat16 on packed weights, float32 activations on float32,
-    int8 or int4 panels with a float32 or float16 KV cache."""
+    int8 or int4 panels with a float32 or float16 KV cache; int8 KV caches under both."""
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
     if dtype == "bfloat16" and not kernel.packed_bf16_rows():

@@ -261,6 +261,24 @@ def test_float16_kv_cache_follows_the_float32_one(tiny):
         assert m[:16] == ref[:16], f"{tiny.arch} prompt {i}: float16 KV {m[:16]} != float32 KV {ref[:16]}"
 
 
+def test_int8_kv_cache_follows_the_float32_one(tiny):
+    """--kv-cache-dtype int8: each head row as int8 codes and a float32 scale, ~3.8x the float32
+    cache's slots in the same memory (head_dim 16: 64 bytes a row against 20); chunked prompts and
+    batched decodes give the float32 cache's greedy tokens for a while (random weights: close logits,
+    so a ~0.4% rounding of K and V flips one in time)."""
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(str(tiny.path), torch.float32, kv_cache_gb=0.05, max_running_requests=8,
+                                      kernel_backend=tiny.runner.kernel_backend, kv_cache_dtype="int8"))
+    head_dim = tiny.runner.pool.kv[0].shape[-1]
+    assert runner.pool.kv[0].dtype == torch.int8 and runner.pool.kv[0].shape[-1] == head_dim + 4
+    assert abs(runner.num_slots / tiny.runner.num_slots - 4 * head_dim / (head_dim + 4)) < 0.01
+    narrow = generate_greedy(runner, tiny.prompts, NEW_TOKENS, together=True, max_prefill_tokens=7)
+    full = generate_greedy(tiny.runner, tiny.prompts, NEW_TOKENS, together=True, max_prefill_tokens=7)
+    same = [next((i for i, (a, b) in enumerate(zip(m, ref)) if a != b), len(ref)) for m, ref in zip(narrow, full)]
+    assert min(same) >= 8, f"{tiny.arch}: greedy tokens agree with the float32 cache's up to {same}"
+
+
 def test_kv_cache_dtype_choices():
     from worker_proc.kv_cache import resolve_kv_dtype
 
@@ -271,6 +289,7 @@ def test_kv_cache_dtype_choices():
     assert resolve_kv_dtype("auto", bf16, "int4") == bf16
     assert resolve_kv_dtype("float16", f32) == f16 and resolve_kv_dtype("bfloat16", f32) == bf16
     assert resolve_kv_dtype("float16", bf16) == f16 and resolve_kv_dtype("bfloat16", bf16) == bf16
+    assert resolve_kv_dtype("int8", f32) == torch.int8 and resolve_kv_dtype("int8", bf16) == torch.int8
     for name, compute in (("float32", bf16), ("bfloat16", f16), ("float32", f16)):
         with pytest.raises(ValueError, match="--kv-cache-dtype"):
             resolve_kv_dtype(name, compute)

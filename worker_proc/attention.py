@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_proc.forward_batch import ForwardBatch
-from worker_proc.kv_cache import KVPool
+from worker_proc.kv_cache import KVPool, dequantize_kv_rows, quantize_kv_rows
 
 
 class AttentionBackend(Protocol):
@@ -36,8 +36,14 @@ class AttentionBackend(Protocol):
 def store_kv(pool: KVPool, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Writes this step's K and V rows to their slots ([S, 2, KVH, Dh]: K then V per slot)."""
     kv = pool.kv[layer_id]
-    rows = torch.cat((k, v), dim=1).view(len(k), -1)
-    kv.view(kv.shape[0], -1).index_copy_(0, out_cache_loc, rows.to(kv.dtype))
+    rows = torch.cat((k, v), dim=1)
+    rows = quantize_kv_rows(rows) if kv.dtype == torch.int8 else rows.to(kv.dtype)
+    kv.view(kv.shape[0], -1).index_copy_(0, out_cache_loc, rows.view(len(k), -1))
+
+
+def pool_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a pool ([..., D], or int8 [..., D + 4]) as values of dtype."""
+    return dequantize_kv_rows(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
 
 
 class PagedKernelAttention:
@@ -126,7 +132,8 @@ class TorchAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if n:
             q_d = q[:n] if b.decode_is_prefix else q[b.decode_tokens]
-            gathered = kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:]).to(q.dtype)
+            gathered = pool_values(kv_rows.index_select(0, self.decode_slots).view(*self.decode_shape, *kv.shape[1:]),
+                                   q.dtype)
             o = self._decode_attention(q_d, gathered)  # gathered: [D, L, 2, KVH, Dh]
             if b.decode_is_prefix:
                 out[:n] = o
@@ -137,11 +144,13 @@ class TorchAttention:
             if slots is None:
                 k_e = k[start : start + length].transpose(0, 1).unsqueeze(0)
                 v_e = v[start : start + length].transpose(0, 1).unsqueeze(0)
-                if kv.dtype != q.dtype:  # K/V as stored in a narrower pool, as every later step reads them
+                if kv.dtype == torch.int8:  # K/V as stored in a narrower pool, as every later step reads them
+                    k_e, v_e = (dequantize_kv_rows(quantize_kv_rows(x), q.dtype) for x in (k_e, v_e))
+                elif kv.dtype != q.dtype:
                     k_e, v_e = k_e.to(kv.dtype).to(q.dtype), v_e.to(kv.dtype).to(q.dtype)
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                full = kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:]).to(q.dtype)  # [P+L, 2, KVH, Dh]
+                full = pool_values(kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:]), q.dtype)  # [P+L, 2, KVH, Dh]
                 k_e = full[:, 0].transpose(0, 1).unsqueeze(0)
                 v_e = full[:, 1].transpose(0, 1).unsqueeze(0)
                 cols = torch.arange(prefix + length, device=q.device)
@@ -165,6 +174,9 @@ class TritonAttention:
                  causal_block: int = 1):
         from worker_proc import triton_attention
 
+        if pool.kv[0].dtype == torch.int8:
+            raise ValueError("--kv-cache-dtype int8 runs on the CPU attention kernels and the torch backend; the "
+                             "Triton kernels read float pools (choose auto, bfloat16, float16 or float32)")
         self.kernels = triton_attention
         self.pool = pool
         self.staging = staging

@@ -9,10 +9,28 @@ import torch
 from worker_proc.huge_pages import zeros_tensor_on_huge_pages
 
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 # (compute dtype, pool dtype) pairs the attention backends read: the compute dtype itself, or a
 # narrower pool (K and V are computed in the compute dtype: a wider pool would hold the same values)
-_POOL_PAIRS = {(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16)}
+_POOL_PAIRS = {(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16),
+               (torch.float32, torch.int8), (torch.bfloat16, torch.int8)}
+# int8 pools: each head row is head_dim codes (value = code * scale, codes in [-127, 127]) and then
+# its float32 scale (largest magnitude / 127) in 4 bytes (cpu_kernels/kv_int8.h)
+INT8_SCALE_BYTES = 4
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] values -> int8 [..., D + 4]: each row's codes, then its scale's bytes."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    scale = amax / 127
+    codes = torch.where(amax > 0, x.float() * (127 / amax.clamp_min(1e-30)), 0.0).round().clamp(-127, 127)
+    return torch.cat((codes.to(torch.int8), scale.view(torch.int8)), dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., D + 4] -> [..., D] of dtype."""
+    scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-INT8_SCALE_BYTES].float() * scale).to(dtype)
 
 
 def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, quantization: str = "none") -> torch.dtype:
@@ -30,7 +48,7 @@ def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, quantization: str = 
     if chosen != compute_dtype and (compute_dtype, chosen) not in _POOL_PAIRS:
         compute = str(compute_dtype).removeprefix("torch.")
         raise ValueError(f"--kv-cache-dtype {name} with compute dtype {compute}: the KV cache takes the compute "
-                         f"dtype or a narrower one (float32 compute: bfloat16 or float16; bfloat16: float16)")
+                         f"dtype or a narrower one (float32 compute: bfloat16, float16 or int8; bfloat16: float16 or int8)")
     return chosen
 
 
@@ -38,7 +56,7 @@ class KVPool:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, max_reqs: int, max_context_len: int, device: str = "cpu"):
         # One tensor per layer with K and V side by side, so a gather of a slot fetches both.
-        shape = (num_slots + 1, 2, num_kv_heads, head_dim)
+        shape = (num_slots + 1, 2, num_kv_heads, head_dim + (INT8_SCALE_BYTES if dtype == torch.int8 else 0))
         if device == "cpu":
             # huge pages: attention reads slots in scattered order, each a TLB miss with 4 KiB pages;
             # mapped at start, as the pool is used slot by slot (page faults in a step's KV writes
@@ -74,5 +92,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        if dtype == torch.int8:
+            return num_layers * 2 * num_kv_heads * (head_dim + INT8_SCALE_BYTES)
         return num_layers * 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 

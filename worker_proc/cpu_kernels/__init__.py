@@ -29,7 +29,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("paged_attention.cpp", "layer_stack.cpp", "small_m_linear.cpp", "bindings.cpp",
                                 "integer_panels.cpp", "fused_ops.cpp", "half_linear.cpp", "amx_linear.cpp",
                                 "shared_memory_reduce.cpp")]
-_HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h", "amx_tiles.h", "team.h")]
+_HEADERS = [_HERE / n for n in ("vec_math.h", "kernels.h", "amx_tiles.h", "team.h", "kv_int8.h")]
 
 ISA_LEVELS = ("native", "avx512", "avx2", "scalar")
 _MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "scalar": "x86-64"}

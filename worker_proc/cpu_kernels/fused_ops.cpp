@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kv_int8.h"
 #include "vec_math.h"
 
 namespace {
@@ -308,7 +309,9 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
 
 void store_kv(at::Tensor kv, at::Tensor out_cache_loc, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(kv.is_contiguous() && kv.dim() == 4 && kv.size(1) == 2, "store_kv: contiguous kv [S, 2, KVH, D]");
-  const int64_t rows = k.size(0), width = kv.stride(1), slots = kv.size(0);
+  const bool int8_pool = kv.scalar_type() == at::kChar;
+  const int64_t head_dim = kv.size(3) - (int8_pool ? loom::kKvScaleBytes : 0), kv_heads = kv.size(2);
+  const int64_t rows = k.size(0), width = kv_heads * head_dim, slots = kv.size(0);
   for (const auto& t : {k, v}) {
     const bool rows_contiguous = t.stride(-1) == 1 && (t.dim() == 2 || (t.dim() == 3 && t.stride(1) == t.size(2)));
     TORCH_CHECK(t.scalar_type() == k.scalar_type() && t.size(0) == rows && t.numel() == rows * width && rows_contiguous,
@@ -335,7 +338,24 @@ void store_kv(at::Tensor kv, at::Tensor out_cache_loc, at::Tensor k, at::Tensor 
     }
   };
   const auto src = k.scalar_type(), dst = kv.scalar_type();
-  if (src == dst) {
+  if (int8_pool) {
+    TORCH_CHECK(src == at::kFloat || src == at::kBFloat16, "store_kv: float32 or bfloat16 k and v into an int8 pool");
+    const int64_t row_bytes = head_dim + loom::kKvScaleBytes;
+    auto quantize = [&](auto src_type) {
+      using S = decltype(src_type);
+      int8_t* pool = kv.data_ptr<int8_t>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = wide ? slots64[r] : slots32[r];
+        TORCH_CHECK(slot >= 0 && slot < slots, "store_kv: slot out of the pool");
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          loom::quantize_kv_row(pool + (slot * 2 * kv_heads + h) * row_bytes, k.data_ptr<S>() + r * k.stride(0) + h * head_dim, head_dim);
+          loom::quantize_kv_row(pool + ((slot * 2 + 1) * kv_heads + h) * row_bytes, v.data_ptr<S>() + r * v.stride(0) + h * head_dim, head_dim);
+        }
+      }
+    };
+    if (src == at::kFloat) quantize(float{});
+    else quantize(c10::BFloat16{});
+  } else if (src == dst) {
     LOOM_DISPATCH(src, "store_kv", [&] { store(scalar_t{}, scalar_t{}); });
   } else if (src == at::kFloat && dst == at::kHalf) {
     store(float{}, c10::Half{});
@@ -385,6 +405,31 @@ void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, con
     rope_row_bf16(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim);
     std::memcpy(kv + slots[r] * 2 * width, row + q_heads * head_dim, width * sizeof(at::BFloat16));
     std::memcpy(kv + (slots[r] * 2 + 1) * width, row + (q_heads + kv_heads) * head_dim, width * sizeof(at::BFloat16));
+  }
+}
+#endif
+
+namespace {
+// A row's k and v heads (after RoPE), each quantized into its int8 pool row.
+template <typename S>
+void quantize_kv_heads(int8_t* kv, int64_t slot, const S* k, const S* v, int64_t kv_heads, int64_t head_dim) {
+  const int64_t row_bytes = head_dim + loom::kKvScaleBytes;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    loom::quantize_kv_row(kv + (slot * 2 * kv_heads + h) * row_bytes, k + h * head_dim, head_dim);
+    loom::quantize_kv_row(kv + ((slot * 2 + 1) * kv_heads + h) * row_bytes, v + h * head_dim, head_dim);
+  }
+}
+}  // namespace
+
+#if defined(__AVX512BF16__)
+void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
+                        const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                        int8_t* kv, const int64_t* slots) {
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    at::BFloat16* row = qkv + r * row_stride;
+    rope_row_bf16(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim);
+    quantize_kv_heads(kv, slots[r], row + q_heads * head_dim, row + (q_heads + kv_heads) * head_dim, kv_heads, head_dim);
   }
 }
 #endif
@@ -439,4 +484,17 @@ void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int6
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Half* kv,
                         const int64_t* slots) {
   rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots);
+}
+
+void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int8_t* kv,
+                        const int64_t* slots) {
+  std::vector<float> scratch(3 * head_dim);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * row_stride;
+    rope_row(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim,
+             scratch.data());
+    quantize_kv_heads(kv, slots[r], row + q_heads * head_dim, row + (q_heads + kv_heads) * head_dim, kv_heads, head_dim);
+  }
 }

@@ -34,7 +34,7 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
     at::Tensor token_starts, at::Tensor extend_lens, at::Tensor seq_lens, double scale);
 at::Tensor run_paged_attention(const PagedAttentionPlan& plan, at::Tensor q, at::Tensor kv);
 // Writes row r of k and v [T, KVH, D] (views with contiguous rows, e.g. of fused qkv) to pool slot
-// out_cache_loc[r] of kv [S, 2, KVH, D].
+// out_cache_loc[r] of kv [S, 2, KVH, D] (int8: [S, 2, KVH, D + 4], each head row quantized, kv_int8.h).
 void store_kv(at::Tensor kv, at::Tensor out_cache_loc, at::Tensor k, at::Tensor v);
 // packed: pack_dense_f32(w) (or empty / none: the kernel packs what it needs per call).
 at::Tensor linear_dense(at::Tensor x, at::Tensor w, std::optional<at::Tensor> packed = std::nullopt);
@@ -113,6 +113,12 @@ int64_t paged_attention_partial_floats(const PagedAttentionPlan& plan);  // part
 // run_paged_attention of q (rows q_row_stride apart) over the pool into out [N, H * D]
 void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
                               const at::BFloat16* kv, at::BFloat16* out, float* partials);
+// the same two over an int8 pool [S, 2, kv_heads, head_dim + 4] (kv_int8.h)
+void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
+                        const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                        int8_t* kv, const int64_t* slots);
+void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
+                              const int8_t* kv, at::BFloat16* out, float* partials);
 // float32 throughout (the pool float32 or float16), as the op-by-op functions compute each row:
 // y [m, n_out] = x [m, K] @ W.T on pack_dense_f32's panels where f32_panels_team_takes(m, n_out)
 // (AVX2 / AVX-512 builds; claims reset to n_out / the panels' width; no barrier at the end)
@@ -132,6 +138,11 @@ void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, in
                               float* out, float* partials);
 void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride,
                               const at::Half* kv, float* out, float* partials);
+void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int8_t* kv,
+                        const int64_t* slots);
+void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const int8_t* kv,
+                              float* out, float* partials);
 // The integer panels (pack_int8_panels' int8 weights with their float32 scale [n_out];
 // pack_int4_panels' int4 ones, from int4_panel_rows() rows): the team quantizes x into scratch
 // (codes m * k, scales 2 * m * k / 32, offsets m * k / 32), meets, then takes the panels (no barrier).

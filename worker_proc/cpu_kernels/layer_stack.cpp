@@ -235,7 +235,7 @@ class LayerStack {
     const auto pool_type = kv[0].scalar_type();
     if (x.scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)
-      if (x.size(1) % 16 || head_dim_ % 32 || pool_type != at::kBFloat16) return false;
+      if (x.size(1) % 16 || head_dim_ % 32 || (pool_type != at::kBFloat16 && pool_type != at::kChar)) return false;
       for (const Layer& layer : layers_)
         if (!layer.qkv.packed_bf16() || !layer.o.packed_bf16() || !layer.gate_up.packed_bf16() ||
             !layer.gate_up.gated() || !layer.down.packed_bf16() || layer.input_norm.scalar_type() != at::kBFloat16 ||
@@ -246,7 +246,8 @@ class LayerStack {
       return false;
 #endif
     }
-    if (x.scalar_type() != at::kFloat || (pool_type != at::kFloat && pool_type != at::kHalf)) return false;
+    if (x.scalar_type() != at::kFloat || (pool_type != at::kFloat && pool_type != at::kHalf && pool_type != at::kChar))
+      return false;
     for (const Layer& layer : layers_) {
       for (const LinearWeights* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
         if (!w->in_f32_region(t)) return false;
@@ -259,11 +260,16 @@ class LayerStack {
                          const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv,
                          const at::Tensor& out_cache_loc, const PagedAttentionPlan& attention) {
     if (count == 0) return;
-    if (x.scalar_type() == at::kFloat && kv[0].scalar_type() == at::kHalf)
+    const auto pool_type = kv[0].scalar_type();
+    if (x.scalar_type() == at::kFloat && pool_type == at::kHalf)
       run_region<float, at::Half>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
+    else if (x.scalar_type() == at::kFloat && pool_type == at::kChar)
+      run_region<float, int8_t>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
     else if (x.scalar_type() == at::kFloat)
       run_region<float, float>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
 #if defined(__AVX512BF16__)
+    else if (pool_type == at::kChar)
+      run_region<at::BFloat16, int8_t>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
     else
       run_region<at::BFloat16, at::BFloat16>(count, x, residual, positions, cos, sin, kv, out_cache_loc, attention);
 #endif

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kv_int8.h"
 #include "vec_math.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_tiles.h"
@@ -42,14 +43,15 @@ constexpr int kLanes = 16;
 
 // out[i] = the sum of the lanes of v[i], for 16 vectors: three rounds of pairwise shuffles and
 // adds (about three operations per sum instead of a horizontal reduction per vector).
-inline vf transpose_sum(const vf* v) {
+template <typename V>  // vf, or vi (exact integer sums)
+inline V transpose_sum(const V* v) {
   const vi lo_ps = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
   const vi hi_ps = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
   const vi lo_pd = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
   const vi hi_pd = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
   const vi even_blocks = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
   const vi odd_blocks = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  vf t[8], u[4], w[2];
+  V t[8], u[4], w[2];
   for (int i = 0; i < 8; ++i)
     t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo_ps) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi_ps);
   // each 4-lane block of u[j] holds that block's sums of v[4j .. 4j+3]
@@ -1210,106 +1212,326 @@ int64_t partial_floats(const std::vector<DecodeRow>& decode_rows, int64_t H, int
   return num_partials * H * (D + 2);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// attend_decode for int8 pools (kv_int8.h) with AVX512-VNNI. Scores: each head's q, times the
+// softmax scale, becomes two rows of int8 codes once per task, q ~ s (256 hi + lo) / 256 (lo the
+// rounding left by hi: q to ~1/65,000 of its largest value, finer than bfloat16's q; one row of
+// codes alone moved outputs by up to ~0.2 on peaked random scores). vpdpbusd multiplies 64 of
+// K's codes by codes + 128 (its first operand is unsigned) in one instruction; the 257 x 128 x
+// (sum of K's codes) that adds comes off with one more vpdpbusd per kv head and token (ones times
+// K), so a score is s x k_scale x (256 hi.k + lo.k) / 256 with exact integer sums up to there.
+// Values: V's codes widened to float, times probabilities that carry their V row's scale. Blocks of 16 tokens
+// with an online softmax; the next block's slots are fetched ahead as attend_decode_dpbf16 does.
+template <int R, int NV>
+inline void value_rows_i8(vf (*acc)[NV], const float (*prob)[kLanes], const int8_t* const* slot, int64_t v_off,
+                          int64_t nb) {
+  vf a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = acc[r][j];
+  for (int64_t i = 0; i < nb; ++i) {
+    const int8_t* v = slot[i] + v_off;
+    vf vr[NV];
+    for (int j = 0; j < NV; ++j)
+      vr[j] = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j * kLanes)))));
+    for (int r = 0; r < R; ++r) {
+      const vf w = splat(prob[r][i]);
+      for (int j = 0; j < NV; ++j) a[r][j] = w * vr[j] + a[r][j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = a[r][j];
+}
+
+template <int R, int NV>
+inline void value_heads_i8(vf (*acc)[NV], const float (*prob)[kLanes], const int8_t* const* slot, int64_t v_off,
+                           int64_t nb, int64_t count) {
+  for (; count >= R; count -= R, acc += R, prob += R) value_rows_i8<R, NV>(acc, prob, slot, v_off, nb);
+  if constexpr (R > 1)
+    if (count) value_heads_i8<R - 1, NV>(acc, prob, slot, v_off, nb, count);
+}
+
+template <typename T, int ND>  // ND: 64-code chunks per head row (D = 64 ND)
+void attend_decode_i8(const Problem& p, const Task& task, const T* q, const int8_t* kv, float* partial,
+                      const Task* next) {
+  constexpr int64_t D = 64 * ND, RB = D + loom::kKvScaleBytes, kBlock = kLanes;
+  constexpr int NV = D / kLanes, R = NV <= 4 ? 3 : 1;  // R: heads whose V sums share registers
+  const int64_t H = p.num_heads, G = p.group, KVH = p.num_kv_heads, row = task.row;
+  const int64_t begin = task.first_token, len = task.first_token + task.num_tokens, token = p.token_starts[row];
+  const int32_t* slots = p.req_to_token + p.req_idx[row] * p.r2t_stride;
+  const int64_t slot_bytes = 2 * KVH * RB;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+
+  alignas(64) uint8_t q_hi[kMaxHeads][D], q_lo[kMaxHeads][D];  // q's two rows of codes, + 128
+  float q_scale[kMaxHeads];
+  vf acc[kMaxHeads][NV];
+  alignas(64) float prob[kMaxHeads][kBlock];
+  float run_max[kMaxHeads], run_sum[kMaxHeads];
+  for (int64_t h = 0; h < H; ++h) {
+    const T* src = q + token * p.q_row_stride + h * D;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(src[d])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = static_cast<float>(src[d]) * inv, hi = std::nearbyint(x);
+      const float lo = std::clamp(std::nearbyint((x - hi) * 256.f), -127.f, 127.f);
+      q_hi[h][d] = static_cast<uint8_t>(static_cast<int>(hi) + 128);
+      q_lo[h][d] = static_cast<uint8_t>(static_cast<int>(lo) + 128);
+    }
+    q_scale[h] = amax / 127.f / 256.f * p.scale;
+    for (int j = 0; j < NV; ++j) acc[h][j] = vf{};
+    run_max[h] = -kInf;
+    run_sum[h] = 0.f;
+  }
+  // the block's slots; past its end, its last one again (scored -inf, probability 0)
+  const int8_t* slot[kBlock];
+  for (int64_t i = begin; i < std::min(len, begin + kBlock); ++i) prefetch_slot(kv + slots[i] * p.kv_slot_stride, slot_bytes);
+  const int64_t slot_lines = (slot_bytes + 63) / 64;
+  const SlotsAhead ahead(p, task, next, kBlock);
+  int64_t fetch_slot = 0, fetch_line = 0, fetch_end = 0;
+  auto fetch_ahead = [&](int64_t lines) {
+    for (; lines > 0 && fetch_slot < fetch_end; --lines) {
+      __builtin_prefetch(kv + ahead[fetch_slot] * p.kv_slot_stride + fetch_line * 64, 0, 2);
+      if (++fetch_line == slot_lines) fetch_line = 0, ++fetch_slot;
+    }
+  };
+  const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t t0 = begin; t0 < len; t0 += kBlock) {
+    const int64_t nb = std::min(kBlock, len - t0);
+    for (int64_t i = 0; i < kBlock; ++i) slot[i] = kv + slots[t0 + std::min(i, nb - 1)] * p.kv_slot_stride;
+    fetch_ahead(std::numeric_limits<int64_t>::max());  // (what the last block left)
+    fetch_slot = std::min(t0 + kBlock, len), fetch_line = 0, fetch_end = std::min(ahead.limit(), fetch_slot + kBlock);
+    const int64_t fetch_share = ((fetch_end - fetch_slot) * slot_lines + H + KVH - 1) / (H + KVH);
+    const vi valid = iota < static_cast<int32_t>(nb);  // tokens past the end score -inf
+    vf scores[kMaxHeads];
+    vi part[kBlock];
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      alignas(64) float k_scale[kBlock];
+      for (int64_t i = 0; i < kBlock; ++i) k_scale[i] = loom::kv_row_scale(slot[i] + kh * RB, D);
+      fetch_ahead(fetch_share);
+      for (int64_t i = 0; i < kBlock; ++i) {
+        __m512i s = _mm512_setzero_si512();
+        for (int c = 0; c < ND; ++c) s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(slot[i] + kh * RB + 64 * c));
+        part[i] = reinterpret_cast<vi>(s);
+      }
+      const vi k_sums = transpose_sum(part) * (257 * 128);
+      const vf ks = load16(k_scale);
+      for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+        fetch_ahead(fetch_share);
+        __m512i hi[ND], lo[ND];
+        for (int c = 0; c < ND; ++c) {
+          hi[c] = _mm512_load_si512(q_hi[h] + 64 * c);
+          lo[c] = _mm512_load_si512(q_lo[h] + 64 * c);
+        }
+        for (int64_t i = 0; i < kBlock; ++i) {
+          __m512i s_hi = _mm512_setzero_si512(), s_lo = _mm512_setzero_si512();
+          for (int c = 0; c < ND; ++c) {
+            const __m512i k = _mm512_loadu_si512(slot[i] + kh * RB + 64 * c);
+            s_hi = _mm512_dpbusd_epi32(s_hi, hi[c], k);
+            s_lo = _mm512_dpbusd_epi32(s_lo, lo[c], k);
+          }
+          part[i] = reinterpret_cast<vi>(_mm512_add_epi32(_mm512_slli_epi32(s_hi, 8), s_lo));
+        }
+        const vf s = __builtin_convertvector(transpose_sum(part) - k_sums, vf) * ks * q_scale[h];
+        scores[h] = valid ? s : splat(-kInf);
+      }
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      alignas(64) float v_scale[kBlock];
+      for (int64_t i = 0; i < kBlock; ++i) v_scale[i] = loom::kv_row_scale(slot[i] + (KVH + kh) * RB, D);
+      const vf vs = load16(v_scale);
+      for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+        const float new_max = std::max(run_max[h], lane_max(scores[h]));
+        if (new_max != run_max[h]) {  // rescale what was summed under the old max
+          const float c = std::exp(run_max[h] - new_max);
+          run_sum[h] *= c;
+          for (int j = 0; j < NV; ++j) acc[h][j] *= c;
+          run_max[h] = new_max;
+        }
+        vf x = scores[h] - new_max;
+        x = x > -87.f ? x : splat(-87.f);
+        const vf e = scores[h] > -kInf ? loom::vexp16(x) : vf{};
+        run_sum[h] += lane_sum(e);
+        const vf pv = e * vs;
+        std::memcpy(prob[h], &pv, sizeof(pv));
+      }
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      value_heads_i8<R, NV>(acc + kh * G, prob + kh * G, slot, (KVH + kh) * RB, nb, G);
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* o = partial + h * (D + 2);
+    std::memcpy(o, acc[h], sizeof(acc[h]));
+    o[D] = run_max[h];
+    o[D + 1] = run_sum[h];
+  }
+}
+#endif
+
+// One task (attend_team's loop): a decode part into its partial, or a prompt tile into out.
+// next: the task this thread likely runs after it (decode parts fetch its first slots ahead).
+template <typename T, typename KV>
+void run_task(const Problem& p, const Task& task, [[maybe_unused]] const Task* next, int64_t D, const T* q,
+              const KV* kv, T* out, float* partials, Scratch& scratch) {
+  if (task.kv_head < 0) {  // (part of) a decode row, all heads
+    float* partial = partial_at(partials, task.partial, p.num_heads, D);
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
+      if (D == 64) return attend_decode_dpbf16<4>(p, task, q, kv, partial, next);
+      if (D == 128) return attend_decode_dpbf16<8>(p, task, q, kv, partial, next);
+      if (D == 32) return attend_decode_dpbf16<2>(p, task, q, kv, partial, next);
+    }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    switch (D) {
+      case 16: return attend_decode_avx2<T, KV, 2>(p, task, q, kv, partial, next);
+      case 32: return attend_decode_avx2<T, KV, 4>(p, task, q, kv, partial, next);
+      case 64: return attend_decode_avx2<T, KV, 8>(p, task, q, kv, partial, next);
+      case 128: return attend_decode_avx2<T, KV, 16>(p, task, q, kv, partial, next);
+    }
+#else
+    switch (D) {
+      case 16: return attend_decode<T, KV, 1>(p, task, q, kv, partial, next);
+      case 32: return attend_decode<T, KV, 2>(p, task, q, kv, partial, next);
+      case 64: return attend_decode<T, KV, 4>(p, task, q, kv, partial, next);
+      case 128: return attend_decode<T, KV, 8>(p, task, q, kv, partial, next);
+    }
+#endif
+    return;
+  }
+#if defined(LOOM_AMX_ATTENTION)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
+    if (amx_bf16() && D == 64) return attend_tile_amx<64>(p, task, q, kv, out);
+    if (amx_bf16() && D == 128) return attend_tile_amx<128>(p, task, q, kv, out);
+  }
+#endif
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
+    if (D == 64) return attend_tile_dpbf16<64>(p, task, q, kv, out);
+    if (D == 128) return attend_tile_dpbf16<128>(p, task, q, kv, out);
+  }
+#endif
+  if (p.group > kTileRows) return attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
+  // (a task planned for the bf16 paths runs here as several tiles of this path's size)
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / p.group);
+  for (int64_t first = task.first_token; first < task.first_token + task.num_tokens; first += tile_tokens) {
+    const Task tile{task.row, task.kv_head, first, std::min(tile_tokens, task.first_token + task.num_tokens - first)};
+    switch (D) {
+#if defined(LOOM_AVX2_ATTENTION)
+      case 16: attend_prompt_avx2<T, KV, 16>(p, tile, q, kv, out, scratch); break;
+      case 32: attend_prompt_avx2<T, KV, 32>(p, tile, q, kv, out, scratch); break;
+      case 64: attend_prompt_avx2<T, KV, 64>(p, tile, q, kv, out, scratch); break;
+      case 128: attend_prompt_avx2<T, KV, 128>(p, tile, q, kv, out, scratch); break;
+#else
+      case 16: attend_tile<T, KV, 1>(p, tile, q, kv, out, scratch); break;
+      case 32: attend_tile<T, KV, 2>(p, tile, q, kv, out, scratch); break;
+      case 64: attend_tile<T, KV, 4>(p, tile, q, kv, out, scratch); break;
+      case 128: attend_tile<T, KV, 8>(p, tile, q, kv, out, scratch); break;
+#endif
+      default: attend_tile_generic<T, KV>(p, tile, D, q, kv, out, scratch);
+    }
+  }
+}
+
+// Each decode row: its parts' sums, rescaled to their common max, then normalised (the team's
+// rows split among it).
+template <typename T>
+void merge_decode_rows(const Problem& p, const std::vector<DecodeRow>& decode_rows, int64_t D, T* out,
+                       float* partials) {
+  const int64_t H = p.num_heads;
+  std::vector<float> acc(D);
+#pragma omp for schedule(static)
+  for (size_t r = 0; r < decode_rows.size(); ++r) {
+    const DecodeRow& dr = decode_rows[r];
+    T* o = out + p.token_starts[dr.row] * H * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t k = 0; k < dr.num_parts; ++k)
+        top = std::max(top, partial_at(partials, dr.first_partial + k, H, D)[h * (D + 2) + D]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float sum = 0.f;
+      for (int64_t k = 0; k < dr.num_parts; ++k) {
+        const float* part = partial_at(partials, dr.first_partial + k, H, D) + h * (D + 2);
+        const float c = dr.num_parts == 1 ? 1.f : std::exp(part[D] - top);
+        sum += part[D + 1] * c;
+        for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * c;
+      }
+      for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[d] / sum);
+    }
+  }
+}
+
+// The task this thread likely takes after task i (the dynamic schedule hands them out in turn),
+// where both are decode parts.
+inline const Task* next_decode_task(const std::vector<Task>& tasks, int64_t i) {
+  const int64_t after = i + omp_get_num_threads();
+  return tasks[i].kv_head < 0 && after < static_cast<int64_t>(tasks.size()) && tasks[after].kv_head < 0
+             ? &tasks[after] : nullptr;
+}
+
 // The attention's work for every thread of a region the caller opened (team.h): tasks handed out
 // one at a time (contexts and chunk sizes vary), then the decode rows' parts merged; the team
 // meets at the end.
 template <typename T, typename KV>
 void attend_team(const Problem& p, const std::vector<Task>& tasks, const std::vector<DecodeRow>& decode_rows,
                  int64_t D, const T* q, const KV* kv, T* out, float* partials) {
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size()), H = p.num_heads;
-  [[maybe_unused]] const bool amx = amx_bf16();
-  {
-    Scratch scratch;
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
-      const Task& task = tasks[i];
-      if (task.kv_head < 0) {  // (part of) a decode row, all heads
-        float* partial = partial_at(partials, task.partial, H, D);
-        // the task this thread likely takes next (the dynamic schedule hands them out in turn)
-        const int64_t after = i + omp_get_num_threads();
-        [[maybe_unused]] const Task* next = after < num_tasks && tasks[after].kv_head < 0 ? &tasks[after] : nullptr;
-#ifdef __AVX512BF16__
-        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
-          if (D == 64) { attend_decode_dpbf16<4>(p, task, q, kv, partial, next); continue; }
-          if (D == 128) { attend_decode_dpbf16<8>(p, task, q, kv, partial, next); continue; }
-          if (D == 32) { attend_decode_dpbf16<2>(p, task, q, kv, partial, next); continue; }
-        }
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        switch (D) {
-          case 16: attend_decode_avx2<T, KV, 2>(p, task, q, kv, partial, next); break;
-          case 32: attend_decode_avx2<T, KV, 4>(p, task, q, kv, partial, next); break;
-          case 64: attend_decode_avx2<T, KV, 8>(p, task, q, kv, partial, next); break;
-          case 128: attend_decode_avx2<T, KV, 16>(p, task, q, kv, partial, next); break;
-        }
-#else
-        switch (D) {
-          case 16: attend_decode<T, KV, 1>(p, task, q, kv, partial, next); break;
-          case 32: attend_decode<T, KV, 2>(p, task, q, kv, partial, next); break;
-          case 64: attend_decode<T, KV, 4>(p, task, q, kv, partial, next); break;
-          case 128: attend_decode<T, KV, 8>(p, task, q, kv, partial, next); break;
-        }
-#endif
-        continue;
-      }
-#if defined(LOOM_AMX_ATTENTION)
-      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
-        if (amx && D == 64) { attend_tile_amx<64>(p, task, q, kv, out); continue; }
-        if (amx && D == 128) { attend_tile_amx<128>(p, task, q, kv, out); continue; }
-      }
-#endif
-#ifdef __AVX512BF16__
-      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
-        if (D == 64) { attend_tile_dpbf16<64>(p, task, q, kv, out); continue; }
-        if (D == 128) { attend_tile_dpbf16<128>(p, task, q, kv, out); continue; }
-      }
-#endif
-      if (p.group > kTileRows) {
-        attend_tile_generic<T, KV>(p, task, D, q, kv, out, scratch);
-        continue;
-      }
-      // (a task planned for the bf16 paths runs here as several tiles of this path's size)
-      const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / p.group);
-      for (int64_t first = task.first_token; first < task.first_token + task.num_tokens; first += tile_tokens) {
-        const Task tile{task.row, task.kv_head, first, std::min(tile_tokens, task.first_token + task.num_tokens - first)};
-        switch (D) {
-#if defined(LOOM_AVX2_ATTENTION)
-          case 16: attend_prompt_avx2<T, KV, 16>(p, tile, q, kv, out, scratch); break;
-          case 32: attend_prompt_avx2<T, KV, 32>(p, tile, q, kv, out, scratch); break;
-          case 64: attend_prompt_avx2<T, KV, 64>(p, tile, q, kv, out, scratch); break;
-          case 128: attend_prompt_avx2<T, KV, 128>(p, tile, q, kv, out, scratch); break;
-#else
-          case 16: attend_tile<T, KV, 1>(p, tile, q, kv, out, scratch); break;
-          case 32: attend_tile<T, KV, 2>(p, tile, q, kv, out, scratch); break;
-          case 64: attend_tile<T, KV, 4>(p, tile, q, kv, out, scratch); break;
-          case 128: attend_tile<T, KV, 8>(p, tile, q, kv, out, scratch); break;
-#endif
-          default: attend_tile_generic<T, KV>(p, tile, D, q, kv, out, scratch);
-        }
-      }
+  for (int64_t i = 0; i < num_tasks; ++i)
+    run_task<T, KV>(p, tasks[i], next_decode_task(tasks, i), D, q, kv, out, partials, scratch);
+  merge_decode_rows<T>(p, decode_rows, D, out, partials);
+}
+
+// int8 pools (kv_int8.h). Decode parts read the codes directly where the build has AVX512-VNNI
+// (attend_decode_i8); every other task dequantizes the slots it reads (the kv head it attends, or
+// all of them for a decode part) into a per-thread pool of T, laid out as a T pool with the
+// row's tokens in order, and runs as attend_team runs T pools.
+template <typename T>
+void attend_team_i8(const Problem& p, const std::vector<Task>& tasks, const std::vector<DecodeRow>& decode_rows,
+                    int64_t D, const T* q, const int8_t* kv, T* out, float* partials) {
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size()), KVH = p.num_kv_heads, row_bytes = D + loom::kKvScaleBytes;
+  Scratch scratch;
+  std::vector<T> local;           // the dequantized slots, [tokens, 2, KVH, D]
+  std::vector<int32_t> identity;  // token t -> its slot in `local`
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t i = 0; i < num_tasks; ++i) {
+    const Task& task = tasks[i];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (task.kv_head < 0 && D % 64 == 0 && D <= 128 && p.num_heads <= kMaxHeads) {
+      float* partial = partial_at(partials, task.partial, p.num_heads, D);
+      const Task* next = next_decode_task(tasks, i);
+      if (D == 64) attend_decode_i8<T, 1>(p, task, q, kv, partial, next);
+      else attend_decode_i8<T, 2>(p, task, q, kv, partial, next);
+      continue;
     }
-    // each decode row: its parts' sums, rescaled to their common max, then normalised
-    std::vector<float> acc(D);
-#pragma omp for schedule(static)
-    for (size_t r = 0; r < decode_rows.size(); ++r) {
-      const DecodeRow& dr = decode_rows[r];
-      T* o = out + p.token_starts[dr.row] * H * D;
-      for (int64_t h = 0; h < H; ++h) {
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t k = 0; k < dr.num_parts; ++k)
-          top = std::max(top, partial_at(partials, dr.first_partial + k, H, D)[h * (D + 2) + D]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float sum = 0.f;
-        for (int64_t k = 0; k < dr.num_parts; ++k) {
-          const float* part = partial_at(partials, dr.first_partial + k, H, D) + h * (D + 2);
-          const float c = dr.num_parts == 1 ? 1.f : std::exp(part[D] - top);
-          sum += part[D + 1] * c;
-          for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * c;
-        }
-        for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[d] / sum);
-      }
+#endif
+    const int64_t r = task.row;
+    // a decode part reads its range of cached tokens; a prompt tile every token before its last
+    const int64_t lo = task.kv_head < 0 ? task.first_token : 0;
+    const int64_t hi = task.kv_head < 0 ? task.first_token + task.num_tokens
+                                        : p.seq_lens[r] - p.extend_lens[r] + task.first_token + task.num_tokens;
+    const int64_t h0 = task.kv_head < 0 ? 0 : task.kv_head, h1 = task.kv_head < 0 ? KVH : task.kv_head + 1;
+    const int64_t slot_elems = 2 * KVH * D;
+    if (static_cast<int64_t>(local.size()) < (hi - lo) * slot_elems) local.resize((hi - lo) * slot_elems);
+    if (static_cast<int64_t>(identity.size()) < hi) identity.resize(hi);
+    const int32_t* slots = p.req_to_token + p.req_idx[r] * p.r2t_stride;
+    for (int64_t t = lo; t < hi; ++t) {
+      identity[t] = static_cast<int32_t>(t - lo);
+      const int8_t* src = kv + slots[t] * p.kv_slot_stride;
+      T* dst = local.data() + (t - lo) * slot_elems;
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t h = h0; h < h1; ++h)
+          loom::dequantize_kv_row(dst + (half * KVH + h) * D, src + (half * KVH + h) * row_bytes, D);
     }
+    Problem local_problem = p;
+    local_problem.req_to_token = identity.data();
+    local_problem.r2t_stride = 0;  // (every row reads `identity`)
+    local_problem.kv_slot_stride = slot_elems;
+    run_task<T, T>(local_problem, task, nullptr, D, q, local.data(), out, partials, scratch);
   }
+  merge_decode_rows<T>(p, decode_rows, D, out, partials);
 }
 
 template <typename T, typename KV>
@@ -1317,7 +1539,10 @@ void attend(const Problem& p, const std::vector<Task>& tasks, const std::vector<
             int64_t D, const T* q, const KV* kv, T* out) {
   const std::unique_ptr<float[]> partials(new float[partial_floats(decode_rows, p.num_heads, D)]);
 #pragma omp parallel num_threads(at::get_num_threads())
-  attend_team<T, KV>(p, tasks, decode_rows, D, q, kv, out, partials.get());
+  {
+    if constexpr (std::is_same_v<KV, int8_t>) attend_team_i8<T>(p, tasks, decode_rows, D, q, kv, out, partials.get());
+    else attend_team<T, KV>(p, tasks, decode_rows, D, q, kv, out, partials.get());
+  }
 }
 
 }  // namespace
@@ -1342,7 +1567,9 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   TORCH_CHECK(req_to_token.is_contiguous(), "contiguous req_to_token expected");
   TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2, "kv [S,2,KVH,D] expected");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt, "req_to_token must be int32");
-  const int64_t D = kv.size(3), num_kv_heads = kv.size(2);
+  const bool int8_pool = kv.scalar_type() == at::kChar;  // head rows of D codes and a scale (kv_int8.h)
+  const int64_t D = kv.size(3) - (int8_pool ? loom::kKvScaleBytes : 0), num_kv_heads = kv.size(2);
+  TORCH_CHECK(D > 0, "kv [S,2,KVH,D] expected (int8: D codes and 4 scale bytes a head row)");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
   auto plan = std::make_shared<PagedAttentionPlan>();
   auto as_i64 = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
@@ -1370,7 +1597,7 @@ std::shared_ptr<const PagedAttentionPlan> plan_paged_attention(
   // bfloat16 pools with bf16 products (AMX tiles or vdpbf16ps; a bf16 q, as the model's dtype):
   // larger tasks share each key block's conversion across their row tiles (attend splits them
   // back where q is float32)
-  if (kv.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && group <= kMaxTileRows)
+  if ((kv.scalar_type() == at::kBFloat16 || int8_pool) && (D == 64 || D == 128) && group <= kMaxTileRows)
     tile_tokens = kBf16TaskTokens;
 #endif
   const bool whole_slot_decode = num_heads <= kMaxHeads && (D == 16 || D == 32 || D == 64 || D == 128);
@@ -1440,8 +1667,10 @@ at::Tensor run_paged_attention(const PagedAttentionPlan& plan, at::Tensor q, at:
   else if (q.scalar_type() == at::kFloat && kv_type == at::kHalf) run(float{}, c10::Half{});
   else if (q.scalar_type() == at::kBFloat16 && kv_type == at::kBFloat16) run(c10::BFloat16{}, c10::BFloat16{});
   else if (q.scalar_type() == at::kBFloat16 && kv_type == at::kHalf) run(c10::BFloat16{}, c10::Half{});
-  else TORCH_CHECK(false, "paged_attention: q float32 with a float32, bfloat16 or float16 pool, or q bfloat16 with a "
-                          "bfloat16 or float16 pool");
+  else if (q.scalar_type() == at::kFloat && kv_type == at::kChar) run(float{}, int8_t{});
+  else if (q.scalar_type() == at::kBFloat16 && kv_type == at::kChar) run(c10::BFloat16{}, int8_t{});
+  else TORCH_CHECK(false, "paged_attention: q float32 with a float32, bfloat16, float16 or int8 pool, or q bfloat16 "
+                          "with a bfloat16, float16 or int8 pool");
   return out;
 }
 
@@ -1464,7 +1693,10 @@ void attend_planned_team(const PagedAttentionPlan& plan, const T* q, int64_t q_r
                          float* partials) {
   Problem problem = plan.problem;
   problem.q_row_stride = q_row_stride;
-  attend_team<T, KV>(problem, plan.tasks, plan.decode_rows, plan.head_dim, q, kv, out, partials);
+  if constexpr (std::is_same_v<KV, int8_t>)
+    attend_team_i8<T>(problem, plan.tasks, plan.decode_rows, plan.head_dim, q, kv, out, partials);
+  else
+    attend_team<T, KV>(problem, plan.tasks, plan.decode_rows, plan.head_dim, q, kv, out, partials);
 }
 }  // namespace
 
@@ -1473,7 +1705,17 @@ void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16
                               const at::BFloat16* kv, at::BFloat16* out, float* partials) {
   attend_planned_team(plan, q, q_row_stride, kv, out, partials);
 }
+
+void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
+                              const int8_t* kv, at::BFloat16* out, float* partials) {
+  attend_planned_team(plan, q, q_row_stride, kv, out, partials);
+}
 #endif
+
+void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const int8_t* kv,
+                              float* out, float* partials) {
+  attend_planned_team(plan, q, q_row_stride, kv, out, partials);
+}
 
 void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const float* kv,
                               float* out, float* partials) {
