@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
-from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, measure_rounds, vllm_env, vllm_preloads,
-                               vllm_server_command, vllm_version)
+from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, measure_rounds, vllm_engine_args, vllm_env,
+                               vllm_preloads, vllm_server_command, vllm_version)
 from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, prefill_rounds, summarize_steps
 from benchmarks.bench_serving_compare import loom_server_command
 from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
@@ -83,6 +83,13 @@ def test_vllm_command_and_environment(tmp_path):
     flags = dict(zip(args[::2], args[1::2]))
     assert flags == {"--model": str(tmp_path / "model"), "--dtype": "bfloat16", "--host": "127.0.0.1",
                      "--port": "8123", "--max-num-seqs": "32", "--kv-cache-memory-bytes": str(2**31)}
+
+    # vLLM's KV cache dtype goes to its engine only where asked for (its fp8 against loom's int8)
+    assert vllm_engine_args(32, 1056, 2.0) == {"max_num_seqs": 32, "max_num_batched_tokens": 1056,
+                                               "kv_cache_memory_bytes": 2 * 2**30}
+    engine = vllm_engine_args(32, 1056, 2.0, "fp8")
+    assert engine["kv_cache_dtype"] == "fp8"
+    assert "--kv-cache-dtype" in vllm_server_command(python, tmp_path / "model", 8123, "bfloat16", engine)
 
 
 def test_weight_stats_counts_a_tied_head_once_and_skips_an_untied_embedding():
