@@ -468,8 +468,13 @@ void rope_store_kv_rows(float* qkv, int64_t rows, int64_t row_stride, const int6
     float* row = qkv + r * row_stride;
     rope_row(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim,
              scratch.data());
-    loom::convert_row(kv + slots[r] * 2 * width, row + q_heads * head_dim, width);
-    loom::convert_row(kv + (slots[r] * 2 + 1) * width, row + (q_heads + kv_heads) * head_dim, width);
+    if constexpr (std::is_same_v<KV, int8_t>) {
+      quantize_kv_heads(kv, slots[r], row + q_heads * head_dim, row + (q_heads + kv_heads) * head_dim, kv_heads,
+                        head_dim);
+    } else {
+      loom::convert_row(kv + slots[r] * 2 * width, row + q_heads * head_dim, width);
+      loom::convert_row(kv + (slots[r] * 2 + 1) * width, row + (q_heads + kv_heads) * head_dim, width);
+    }
   }
 }
 }  // namespace
@@ -489,12 +494,5 @@ void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int6
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int8_t* kv,
                         const int64_t* slots) {
-  std::vector<float> scratch(3 * head_dim);
-#pragma omp for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = qkv + r * row_stride;
-    rope_row(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim,
-             scratch.data());
-    quantize_kv_heads(kv, slots[r], row + q_heads * head_dim, row + (q_heads + kv_heads) * head_dim, kv_heads, head_dim);
-  }
+  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots);
 }

@@ -98,6 +98,14 @@ struct Problem {
   float scale;
 };
 
+// Writes head h's part of a decode partial: its D sums, then the max score and the sum of p.
+inline void store_partial(float* partial, int64_t h, int64_t D, const void* sums, float max, float sum) {
+  float* o = partial + h * (D + 2);
+  std::memcpy(o, sums, D * sizeof(float));
+  o[D] = max;
+  o[D + 1] = sum;
+}
+
 // Per-thread buffers, grown as needed.
 struct Scratch {
   std::vector<float> scores;  // [tile rows, padded length]; AVX2: attend_prompt_avx2's q, output, block scores, K panel
@@ -621,12 +629,7 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv,
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) {
-    float* o = partial + h * (D + 2);
-    std::memcpy(o, acc[h], sizeof(acc[h]));
-    o[D] = run_max[h];
-    o[D + 1] = run_sum[h];
-  }
+  for (int64_t h = 0; h < H; ++h) store_partial(partial, h, D, acc[h], run_max[h], run_sum[h]);
 }
 
 #if defined(LOOM_AVX2_ATTENTION)
@@ -692,12 +695,7 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const KV
         value_rows<D>(std::min<int64_t>(kValueTileRows, (kh + 1) * G - h), prob[h], B, kv + (KVH + kh) * D,
                       slots + t0, p.kv_slot_stride, n, acc[h], D);
   }
-  for (int64_t h = 0; h < H; ++h) {
-    float* o = partial + h * (D + 2);
-    std::memcpy(o, acc[h], sizeof(acc[h]));
-    o[D] = run_max[h];
-    o[D + 1] = run_sum[h];
-  }
+  for (int64_t h = 0; h < H; ++h) store_partial(partial, h, D, acc[h], run_max[h], run_sum[h]);
 }
 #endif
 
@@ -1360,12 +1358,7 @@ void attend_decode_i8(const Problem& p, const Task& task, const T* q, const int8
     for (int64_t kh = 0; kh < KVH; ++kh)
       value_heads_i8<R, NV>(acc + kh * G, prob + kh * G, slot, (KVH + kh) * RB, nb, G);
   }
-  for (int64_t h = 0; h < H; ++h) {
-    float* o = partial + h * (D + 2);
-    std::memcpy(o, acc[h], sizeof(acc[h]));
-    o[D] = run_max[h];
-    o[D + 1] = run_sum[h];
-  }
+  for (int64_t h = 0; h < H; ++h) store_partial(partial, h, D, acc[h], run_max[h], run_sum[h]);
 }
 #endif
 
