@@ -125,11 +125,8 @@ def test_paged_attention_over_a_narrower_pool(kernel, dtype, kv_dtype, tol, head
     token_starts = torch.cumsum(extend_lens, 0) - extend_lens
     q = torch.randn(int(extend_lens.sum()), heads, head_dim).to(dtype)
     for rows in ([0], [0, 1, 2, 3]):  # one long decode alone: split across the threads
-        r = torch.tensor(rows)
-        starts = torch.cumsum(extend_lens[r], 0) - extend_lens[r]
-        q_rows = torch.cat([q[token_starts[i] : token_starts[i] + extend_lens[i]] for i in rows])
-        out = kernel.paged_attention(q_rows, kv, req_to_token, req_idx[r], starts, extend_lens[r],
-                                     prefix_lens[r] + extend_lens[r], head_dim**-0.5)
+        r, q_rows, starts, out = _attend_rows(kernel, rows, q, kv, req_to_token, req_idx, token_starts, extend_lens,
+                                              prefix_lens)
         assert out.dtype == dtype
         _check_against_sdpa(kv, req_to_token, req_idx[r], q_rows, out, starts, extend_lens[r], prefix_lens[r], tol)
 
@@ -162,14 +159,21 @@ def test_paged_attention_over_an_int8_pool(kernel, dtype, heads, kv_heads, head_
     q = (torch.randn(int(extend_lens.sum()), heads, head_dim) * 2).to(dtype)
     kernel_exact = "__AVX512VNNI__" not in kernel.target_macros()
     for rows in ([0], [0, 1, 2, 3, 4]):  # one long decode alone: split across the threads
-        r = torch.tensor(rows)
-        starts = torch.cumsum(extend_lens[r], 0) - extend_lens[r]
-        q_rows = torch.cat([q[token_starts[i] : token_starts[i] + extend_lens[i]] for i in rows])
-        out = kernel.paged_attention(q_rows, kv, req_to_token, req_idx[r], starts, extend_lens[r],
-                                     prefix_lens[r] + extend_lens[r], head_dim**-0.5)
+        r, q_rows, starts, out = _attend_rows(kernel, rows, q, kv, req_to_token, req_idx, token_starts, extend_lens,
+                                              prefix_lens)
         assert out.dtype == dtype
         _check_against_sdpa(dequantized, req_to_token, req_idx[r], q_rows, out, starts, extend_lens[r],
                             prefix_lens[r], (1e-4 if kernel_exact else 3e-3) if dtype == torch.float32 else 1e-1)
+
+
+def _attend_rows(kernel, rows, q, kv, req_to_token, req_idx, token_starts, extend_lens, prefix_lens):
+    """paged_attention over the batch rows `rows` alone: (their index tensor, q rows, starts, output)."""
+    r = torch.tensor(rows)
+    starts = torch.cumsum(extend_lens[r], 0) - extend_lens[r]
+    q_rows = torch.cat([q[token_starts[i] : token_starts[i] + extend_lens[i]] for i in rows])
+    out = kernel.paged_attention(q_rows, kv, req_to_token, req_idx[r], starts, extend_lens[r],
+                                 prefix_lens[r] + extend_lens[r], q.shape[-1] ** -0.5)
+    return r, q_rows, starts, out
 
 
 def _check_against_sdpa(kv, req_to_token, req_idx, q, out, token_starts, extend_lens, prefix_lens, tol):
