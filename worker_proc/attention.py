@@ -36,9 +36,13 @@ class AttentionBackend(Protocol):
 def store_kv(pool: KVPool, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Writes this step's K and V rows to their slots ([S, 2, KVH, Dh]: K then V per slot)."""
     kv = pool.kv[layer_id]
-    rows = torch.cat((k, v), dim=1)
-    rows = quantize_kv_rows(rows) if kv.dtype == torch.int8 else rows.to(kv.dtype)
+    rows = pool_rows(torch.cat((k, v), dim=1), kv.dtype)
     kv.view(kv.shape[0], -1).index_copy_(0, out_cache_loc, rows.view(len(k), -1))
+
+
+def pool_rows(values: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """Values [..., D] as a pool of pool_dtype stores them ([..., D], or int8 [..., D + 4])."""
+    return quantize_kv_rows(values) if pool_dtype == torch.int8 else values.to(pool_dtype)
 
 
 def pool_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,10 +148,8 @@ class TorchAttention:
             if slots is None:
                 k_e = k[start : start + length].transpose(0, 1).unsqueeze(0)
                 v_e = v[start : start + length].transpose(0, 1).unsqueeze(0)
-                if kv.dtype == torch.int8:  # K/V as stored in a narrower pool, as every later step reads them
-                    k_e, v_e = (dequantize_kv_rows(quantize_kv_rows(x), q.dtype) for x in (k_e, v_e))
-                elif kv.dtype != q.dtype:
-                    k_e, v_e = k_e.to(kv.dtype).to(q.dtype), v_e.to(kv.dtype).to(q.dtype)
+                if kv.dtype != q.dtype:  # K/V as stored in a narrower pool, as every later step reads them
+                    k_e, v_e = (pool_values(pool_rows(x, kv.dtype), q.dtype) for x in (k_e, v_e))
                 o = F.scaled_dot_product_attention(q_e, k_e, v_e, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 full = pool_values(kv_rows.index_select(0, slots).view(len(slots), *kv.shape[1:]), q.dtype)  # [P+L, 2, KVH, Dh]

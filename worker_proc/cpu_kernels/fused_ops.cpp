@@ -307,6 +307,18 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
   });
 }
 
+namespace {
+// A row's k and v heads (after RoPE), each quantized into its int8 pool row.
+template <typename S>
+void quantize_kv_heads(int8_t* kv, int64_t slot, const S* k, const S* v, int64_t kv_heads, int64_t head_dim) {
+  const int64_t row_bytes = head_dim + loom::kKvScaleBytes;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    loom::quantize_kv_row(kv + (slot * 2 * kv_heads + h) * row_bytes, k + h * head_dim, head_dim);
+    loom::quantize_kv_row(kv + ((slot * 2 + 1) * kv_heads + h) * row_bytes, v + h * head_dim, head_dim);
+  }
+}
+}  // namespace
+
 void store_kv(at::Tensor kv, at::Tensor out_cache_loc, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(kv.is_contiguous() && kv.dim() == 4 && kv.size(1) == 2, "store_kv: contiguous kv [S, 2, KVH, D]");
   const bool int8_pool = kv.scalar_type() == at::kChar;
@@ -340,17 +352,13 @@ void store_kv(at::Tensor kv, at::Tensor out_cache_loc, at::Tensor k, at::Tensor 
   const auto src = k.scalar_type(), dst = kv.scalar_type();
   if (int8_pool) {
     TORCH_CHECK(src == at::kFloat || src == at::kBFloat16, "store_kv: float32 or bfloat16 k and v into an int8 pool");
-    const int64_t row_bytes = head_dim + loom::kKvScaleBytes;
     auto quantize = [&](auto src_type) {
       using S = decltype(src_type);
-      int8_t* pool = kv.data_ptr<int8_t>();
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t slot = wide ? slots64[r] : slots32[r];
         TORCH_CHECK(slot >= 0 && slot < slots, "store_kv: slot out of the pool");
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          loom::quantize_kv_row(pool + (slot * 2 * kv_heads + h) * row_bytes, k.data_ptr<S>() + r * k.stride(0) + h * head_dim, head_dim);
-          loom::quantize_kv_row(pool + ((slot * 2 + 1) * kv_heads + h) * row_bytes, v.data_ptr<S>() + r * v.stride(0) + h * head_dim, head_dim);
-        }
+        quantize_kv_heads(kv.data_ptr<int8_t>(), slot, k.data_ptr<S>() + r * k.stride(0), v.data_ptr<S>() + r * v.stride(0),
+                          kv_heads, head_dim);
       }
     };
     if (src == at::kFloat) quantize(float{});
@@ -408,18 +416,6 @@ void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, con
   }
 }
 #endif
-
-namespace {
-// A row's k and v heads (after RoPE), each quantized into its int8 pool row.
-template <typename S>
-void quantize_kv_heads(int8_t* kv, int64_t slot, const S* k, const S* v, int64_t kv_heads, int64_t head_dim) {
-  const int64_t row_bytes = head_dim + loom::kKvScaleBytes;
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    loom::quantize_kv_row(kv + (slot * 2 * kv_heads + h) * row_bytes, k + h * head_dim, head_dim);
-    loom::quantize_kv_row(kv + ((slot * 2 + 1) * kv_heads + h) * row_bytes, v + h * head_dim, head_dim);
-  }
-}
-}  // namespace
 
 #if defined(__AVX512BF16__)
 void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
