@@ -127,8 +127,8 @@ def checkpoints(tmp_path_factory):
             for name, sizes in MODEL_SHAPES.items()}
 
 
-def _run_and_capture(runner, prompts) -> tuple[list[list[int]], list[torch.Tensor], int]:
-    """Greedy outputs, the logits of every step and how many steps the layer stack ran."""
+def _run_and_capture(runner, prompts) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
+    """Greedy outputs, the logits of every step and the token rows of each step the layer stack ran."""
     model, run_model = runner.model, getattr(runner.attn, "run_model", None)
     logits, stack_steps = [], []
 
@@ -137,9 +137,9 @@ def _run_and_capture(runner, prompts) -> tuple[list[list[int]], list[torch.Tenso
         logits.append(out.detach().clone())
         return out
 
-    def counted(*args, **kwargs):
-        stack_steps.append(1)
-        return run_model(*args, **kwargs)
+    def counted(stack, input_ids, *args, **kwargs):
+        stack_steps.append(input_ids.numel())
+        return run_model(stack, input_ids, *args, **kwargs)
 
     runner.model = capture
     if run_model is not None:
@@ -150,7 +150,7 @@ def _run_and_capture(runner, prompts) -> tuple[list[list[int]], list[torch.Tenso
         runner.model = model
         if run_model is not None:
             runner.attn.run_model = run_model
-    return outputs, logits, len(stack_steps)
+    return outputs, logits, stack_steps
 
 
 @pytest.mark.parametrize("shape,quantization", CASES, ids=[f"{s}-{q}" for s, q in CASES])
@@ -208,7 +208,7 @@ def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, requ
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 17, 40)]
     want_out, want_logits, _ = _run_and_capture(runner("torch"), prompts)
     got_out, got_logits, stack_steps = _run_and_capture(fast, prompts)
-    assert stack_steps == len(got_logits)
+    assert len(stack_steps) == len(got_logits)
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         assert err < 0.05, f"step {step}: relative error {err:.3f}"
@@ -219,7 +219,7 @@ def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, requ
 
 REGION_CASES = [("bfloat16", "none", "auto"), ("float32", "none", "float32"), ("float32", "none", "float16"),
                 ("float32", "int8", "float16"), ("float32", "int4", "float32"), ("bfloat16", "none", "int8"),
-                ("float32", "none", "int8")]
+                ("float32", "none", "int8"), ("bfloat16", "int8", "auto"), ("bfloat16", "int4", "auto")]
 
 
 @pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", REGION_CASES,
@@ -229,7 +229,8 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
     balanced between threads) give the logits of its op-by-op calls bit for bit: prompt steps (the
     last layer narrowed to the logit rows), mixed and decode steps, one-row steps (bfloat16: their
     own linears without AMX) included; bfloat16 on packed weights, float32 activations on float32,
-    int8 or int4 panels with a float32 or float16 KV cache; int8 KV caches under both."""
+    int8 or int4 panels with a float32 or float16 KV cache; int8 KV caches under both; bfloat16 on
+    int8 / int4 panels (AMX tiles over the widened weights) in steps of amx_panel_rows() rows or more."""
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
     if dtype == "bfloat16" and not kernel.packed_bf16_rows():
@@ -238,6 +239,8 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
         pytest.skip("no float32 panels (AVX2 and FMA) in this build")
     if quantization != "none" and not kernel.integer_panels():
         pytest.skip("no integer panels (AVX2 or AVX512-VNNI) in this build")
+    if quantization != "none" and dtype == "bfloat16" and not kernel.amx_panel_rows():
+        pytest.skip("bfloat16 steps take integer panels in one region on AMX tiles only")
     # head_dim 64 (the default model's), every N and K a multiple of 32
     path = build_tiny_checkpoint("llama", tmp_path, seed=7, vocab_size=1024, hidden_size=128, num_attention_heads=2,
                                  num_key_value_heads=1, intermediate_size=256)
@@ -251,11 +254,14 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
     for batch in (prompts, prompts[2:4] if quantization == "int4" else prompts[2:3]):
         stack.one_region = True
         steps = stack.one_region_steps
-        out_region, logits_region, _ = _run_and_capture(fast, batch)
-        assert stack.one_region_steps - steps == len(logits_region)  # every step
+        out_region, logits_region, rows = _run_and_capture(fast, batch)
+        # every step; bfloat16 on integer panels those of amx_panel_rows() rows or more
+        in_region = [n for n in rows if quantization == "none" or dtype == "float32" or n >= kernel.amx_panel_rows()]
+        assert len(rows) == len(logits_region) and in_region
+        assert stack.one_region_steps - steps == len(in_region)
         stack.one_region = False
         out_ops, logits_ops, _ = _run_and_capture(fast, batch)
-        assert stack.one_region_steps - steps == len(logits_region)
+        assert stack.one_region_steps - steps == len(in_region)
         assert out_region == out_ops and len(logits_region) == len(logits_ops)
         for a, b in zip(logits_region, logits_ops):
             assert torch.equal(a, b)

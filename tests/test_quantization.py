@@ -74,6 +74,41 @@ def test_int8_linear_on_the_kernels_layout(rows):
     torch.testing.assert_close(linear(x).float(), F.linear(x.float(), dequantized), atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("extra_rows", [0, 13, 268])
+def test_integer_panels_on_amx_tiles_equal_the_widened_weights(extra_rows, scheme, gated):
+    """On AMX, bfloat16 x of amx_panel_rows() rows or more meets int8 / int4 panels widened to
+    bfloat16 block by block: bit for bit the packed bfloat16 linear over the dequantized weights
+    (silu(gate) * up for an MLP's [gate; up]), and linear_int8 / linear_int4 take that path."""
+    from worker_proc import cpu_kernels
+    from worker_proc.ops import dequantize_int4, dequantize_int8, quantize_int8
+
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.amx_panel_rows():
+        pytest.skip("no AMX tiles on this CPU or build")
+    torch.manual_seed(extra_rows)
+    n, k = (128, 96) if gated else (96, 160)
+    weight = torch.randn(n, k) * 0.05
+    x = torch.randn(kernels.amx_panel_rows() + extra_rows, k).to(torch.bfloat16)
+    if scheme == "int8":
+        q, scale = quantize_int8(weight)
+        panels, widened = kernels.pack_int8(q), dequantize_int8(q, scale, torch.bfloat16)
+        direct = kernels.linear_int8(x, panels, scale)
+    else:
+        codes, scale, minimum = quantize_int4(weight)
+        panels = kernels.pack_int4_panels(codes, scale, minimum)
+        widened = dequantize_int4(codes, scale, minimum, torch.bfloat16)
+        direct = kernels.linear_int4(x, codes, scale, minimum, panels)
+        scale = None
+    want = kernels.linear_dense(x, widened, kernels.pack_dense_bf16(widened, gated))
+    got = kernels.linear_panels_amx(x, panels, n, scale, gated)
+    assert got.shape == (x.shape[0], n // 2 if gated else n)
+    assert torch.equal(got, want)
+    if not gated:
+        assert torch.equal(direct, want)
+
+
 def test_int4_keeps_the_lm_head_at_8_bits():
     """--quantization int4 quantizes every linear to 4 bits but the LM head, which keeps int8 (as
     llama.cpp's Q4 files keep it at 8 bits: most of the 4-bit model's distance from the float one

@@ -231,7 +231,71 @@ void block_rows(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t
     tile_block<1>(x, k, w, k / kBlockK, target, pending);
   pending = PendingRows{target, y, n, rows, 0, gated};
 }
+
+// Column blocks of W a group holds on AMX: ~kGroupBytes of bfloat16, kLargeGroupBytes where x
+// passes kLargeX bytes (it then comes from L3 or memory once a group: larger groups, fewer passes).
+int64_t amx_group_blocks(int64_t m, int64_t k) {
+  const int64_t x_bytes = m * k * static_cast<int64_t>(sizeof(at::BFloat16));
+  return std::max<int64_t>(1, (x_bytes > kLargeX ? kLargeGroupBytes : kGroupBytes) /
+                                  (k * kBlockN * static_cast<int64_t>(sizeof(at::BFloat16))));
+}
+
+// Blocks [g0, g1) of packed W (block b at w + (b - g0) K 32) under all m rows of x into y [m, n]:
+// full 32-row blocks in passes of kChunkM rows, then the last partial one (its own tile
+// configuration), so W comes from memory (or from the caller's buffer) once a call at every row count.
+void amx_group(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, int64_t g0, int64_t g1,
+               bool gated, at::BFloat16* y, int64_t n) {
+  const int64_t block_cols = gated ? kTileRows : kBlockN, full_rows = m / kBlockM * kBlockM, tail = m - full_rows;
+  const auto block_at = [&](int64_t b) { return w + (b - g0) * k * kBlockN; };
+  alignas(64) float sums[2][kBlockM * kBlockN];
+  PendingRows pending;
+  if (full_rows) configure_tiles(kBlockM);
+  for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
+    const int64_t r1 = std::min(full_rows, r0 + kChunkM);
+    for (int64_t b = g0; b < g1; ++b)
+      for (int64_t r = r0; r < r1; r += kBlockM)
+        block_rows(x + r * k, k, block_at(b), kBlockM, gated, y + r * n + b * block_cols, n, sums, pending);
+  }
+  if (tail) {
+    configure_tiles(tail);
+    for (int64_t b = g0; b < g1; ++b)
+      block_rows(x + full_rows * k, k, block_at(b), tail, gated, y + full_rows * n + b * block_cols, n, sums, pending);
+  }
+  pending.finish();
+}
+
+// This thread's buffer for widened panel blocks, 64-byte aligned for the tile loads.
+at::BFloat16* widened_buffer(int64_t elements) {
+  struct Buffer {
+    void* data = nullptr;
+    int64_t size = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buffer;
+  if (elements > buffer.size) {
+    std::free(buffer.data);
+    buffer.data = std::aligned_alloc(64, (elements * static_cast<int64_t>(sizeof(at::BFloat16)) + 63) / 64 * 64);
+    TORCH_CHECK(buffer.data, "out of memory for widened weights");
+    buffer.size = elements;
+  }
+  return static_cast<at::BFloat16*>(buffer.data);
+}
 #endif
+
+// Each thread walks its blocks a group at a time, then takes single blocks left in the others'
+// shares. run(g0, g1, ahead): blocks [g0, g1), fetching blocks [g1, ahead) meanwhile; groups start
+// at `size` blocks and double up to `group` (stay at `size` if not `grow`).
+template <typename Run>
+void claim_and_run(loom::BlockClaims& claims, int64_t size, int64_t group, bool grow, Run&& run) {
+  const int t = omp_get_thread_num();
+  int64_t g0, g1, end;
+  for (bool more = claims.take_front(t, size, g0, g1, end); more;) {
+    if (grow) size = std::min(group, 2 * size);
+    run(g0, g1, std::min(end, g1 + size));
+    more = claims.take_front(t, size, g0, g1, end);
+  }
+  for (int64_t b; claims.steal(t, b);) run(b, b + 1, b + 1);
+}
 
 }  // namespace
 
@@ -308,48 +372,12 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const at::Tensor
   const bool gated = packed.dim() == 6;
   const int64_t k = packed.size(1) * kBlockK, block_cols = gated ? kTileRows : kBlockN, n = packed_bf16_cols(packed);
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  const int t = omp_get_thread_num();
   const int64_t block_bytes = k * kBlockN * sizeof(at::BFloat16);
   const int64_t group = std::max<int64_t>(1, kGroupBytes / block_bytes);
-  // Each thread walks its blocks a group (~kGroupBytes of W, kept in L2) at a time under all rows,
-  // then takes single blocks left in the others' shares. run(g0, g1, ahead): blocks [g0, g1),
-  // fetching blocks [g1, ahead) meanwhile; groups start at `size` blocks and double up to `group`
-  // (stay at `size` if not `grow`).
-  const auto claim_and_run = [&](int64_t size, bool grow, auto&& run) {
-    int64_t g0, g1, end;
-    for (bool more = claims.take_front(t, size, g0, g1, end); more;) {
-      if (grow) size = std::min(group, 2 * size);
-      run(g0, g1, std::min(end, g1 + size));
-      more = claims.take_front(t, size, g0, g1, end);
-    }
-    for (int64_t b; claims.steal(t, b);) run(b, b + 1, b + 1);
-  };
 #if defined(LOOM_AMX)
   if (amx_bf16()) {
-    // Each group in chunks of rows: full 32-row blocks, then the last partial one (its own tile
-    // configuration), so W comes from memory once a call at every row count.
-    const int64_t full_rows = m / kBlockM * kBlockM, tail = m - full_rows;
-    // (x past kLargeX bytes comes from L3 or memory once a group: larger groups, fewer passes)
-    const int64_t amx_group = m * k * static_cast<int64_t>(sizeof(at::BFloat16)) > kLargeX
-                                  ? std::max<int64_t>(1, kLargeGroupBytes / block_bytes)
-                                  : group;
-    claim_and_run(amx_group, false, [&](int64_t g0, int64_t g1, int64_t) {
-      alignas(64) float sums[2][kBlockM * kBlockN];
-      PendingRows pending;
-      if (full_rows) configure_tiles(kBlockM);
-      for (int64_t r0 = 0; r0 < full_rows; r0 += kChunkM) {
-        const int64_t r1 = std::min(full_rows, r0 + kChunkM);
-        for (int64_t b = g0; b < g1; ++b)
-          for (int64_t r = r0; r < r1; r += kBlockM)
-            block_rows(xp + r * k, k, wp + b * k * kBlockN, kBlockM, gated, y + r * n + b * block_cols, n, sums, pending);
-      }
-      if (tail) {
-        configure_tiles(tail);
-        for (int64_t b = g0; b < g1; ++b)
-          block_rows(xp + full_rows * k, k, wp + b * k * kBlockN, tail, gated, y + full_rows * n + b * block_cols, n,
-                     sums, pending);
-      }
-      pending.finish();
+    claim_and_run(claims, amx_group_blocks(m, k), 0, false, [&](int64_t g0, int64_t g1, int64_t) {
+      amx_group(xp, m, k, wp + g0 * k * kBlockN, g0, g1, gated, y, n);
     });
     _tile_release();
     return;
@@ -363,7 +391,7 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const at::Tensor
   // (the first group's first pass reads W from memory unfetched: without AMX groups grow from
   // one block, 1, 2, 4, ... up to `group`, each fetched during the passes of the one before; up to
   // kSingleBlockRows rows they stay one block)
-  claim_and_run(1, m > kSingleBlockRows, [&](int64_t g0, int64_t g1, int64_t ahead) {
+  claim_and_run(claims, 1, group, m > kSingleBlockRows, [&](int64_t g0, int64_t g1, int64_t ahead) {
     alignas(64) float sums[kDotRows * kBlockN];
     // A last row block of 1 to 3 rows holds 2 to 6 sums, fewer than vdpbf16ps's latency keeps
     // busy: with the full block before it, it runs as two of about equal size (12 + 1 as 7 + 6).
@@ -384,4 +412,69 @@ void linear_packed_bf16_team(const at::BFloat16* xp, int64_t m, const at::Tensor
 #else
   TORCH_CHECK(false, "linear_packed_bf16: this build has no bfloat16 products");
 #endif
+}
+
+// int8 / int4 panels on AMX: from this many rows of x the widened blocks' tile products beat the
+// integer panels' vpdpbusd. The model's linears, 30 layers' weights in turn, 2 threads, AMX Xeon,
+// ms for int8 / int4 (integer panels against AMX): 16 rows 13.1 / 12.8 against 16.2 / 14.4; 32
+// rows 18.6 / 19.8 against 19.4 / 17.7; 64 rows 25.7 / 29.6 against 19.2 / 17.5; 1,088 rows
+// 349 / 427 against 142 / 129 (bfloat16 weights 125).
+constexpr int64_t kAmxPanelRows = 32;
+
+int64_t amx_panel_rows() { return amx_bf16() ? kAmxPanelRows : 0; }
+
+int64_t amx_panel_blocks(int64_t n, bool gated) { return gated ? n / 2 / kTileRows : n / kBlockN; }
+
+bool amx_panels_take(const at::Tensor& panels, int64_t n, bool gated) {
+  return amx_bf16() && panels.dim() == 3 && panels.size(0) * kBlockN >= n && n > 0 &&
+         (gated ? n % (2 * kTileRows) == 0 && (n / 2) % kTileRows == 0 : n % kBlockN == 0);
+}
+
+void linear_panels_amx_team(const at::BFloat16* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n,
+                            const float* scale, bool gated, at::BFloat16* y, loom::BlockClaims& claims) {
+#if defined(LOOM_AMX)
+  const auto* codes = static_cast<const uint8_t*>(panels.data_ptr());
+  const int64_t groups = k / kBlockK, up_tiles = n / 2 / kTileRows, block = k * kBlockN;
+  claim_and_run(claims, amx_group_blocks(m, k), 0, false, [&](int64_t g0, int64_t g1, int64_t) {
+    at::BFloat16* w = widened_buffer((g1 - g0) * block);
+    // block b's column tiles: features 32 b.. and 32 b + 16.., or where gated gate features 16 b..
+    // and up features n / 2 + 16 b.. (each a tile of 16 features of the panels)
+    for (int64_t b = g0; b < g1; ++b)
+      for (int64_t t = 0; t < 2; ++t) {
+        const int64_t tile = gated ? (t ? up_tiles + b : b) : 2 * b + t;
+        at::BFloat16* dst = w + (b - g0) * block + t * kTileRows * kBlockK;
+        if (scale)
+          int8_panel_tile_bf16(codes, groups, scale, tile, dst, kBlockK * kBlockN);
+        else
+          int4_panel_tile_bf16(codes, groups, tile, dst, kBlockK * kBlockN);
+      }
+    amx_group(x, m, k, w, g0, g1, gated, y, gated ? n / 2 : n);
+  });
+  _tile_release();
+#else
+  TORCH_CHECK(false, "linear_panels_amx: this build has no AMX tiles");
+#endif
+}
+
+at::Tensor linear_panels_amx(at::Tensor x_in, at::Tensor panels, int64_t n, std::optional<at::Tensor> scale,
+                             bool gated) {
+  TORCH_CHECK(amx_panels_take(panels, n, gated), "linear_panels_amx: no AMX, or ", n,
+              " outputs do not fill blocks of 32 (gated: two halves of 16s)");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) == panels.size(1) * kBlockK,
+              "linear_panels_amx: x must be bfloat16 [M, K] with the panels' K");
+  TORCH_CHECK(!scale || (scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == n),
+              "linear_panels_amx: int8 scale must be float32 [n]");
+  // a group's bytes: int8 codes of 32 features x 32 inputs; int4 half as many, then float32 scales and mins
+  TORCH_CHECK(panels.size(2) == (scale ? kBlockN * kBlockK : kBlockN * kBlockK / 2 + 2 * kBlockN * 4),
+              "linear_panels_amx: int8 panels (pack_int8_panels) with a scale, int4 ones (pack_int4_panels) without");
+  auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  auto out = at::empty({m, gated ? n / 2 : n}, x.options());
+  if (m == 0) return out;
+  loom::BlockClaims claims;
+  claims.reset(amx_panel_blocks(n, gated), at::get_num_threads());
+  const float* s = scale ? scale->data_ptr<float>() : nullptr;
+#pragma omp parallel num_threads(at::get_num_threads())
+  linear_panels_amx_team(x.data_ptr<at::BFloat16>(), m, k, panels, n, s, gated, out.data_ptr<at::BFloat16>(), claims);
+  return out;
 }

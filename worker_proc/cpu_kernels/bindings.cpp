@@ -56,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 weights [N, K] in AMX tiles' VNNI form for linear_dense (empty where unused); gated: [gate; up], and linear_dense returns silu(gate) * up",
         pybind11::arg("w"), pybind11::arg("gated") = false);
   m.def("packed_bf16_rows", &packed_bf16_rows, "rows of x up to which linear_dense takes pack_dense_bf16's weights (0: never packed)");
+  m.def("linear_panels_amx", &linear_panels_amx, "x @ W.T (silu(gate) * up where gated) on int8 (with scale) or int4 panels, widened to bfloat16 on AMX tiles",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("scale") = pybind11::none(),
+        pybind11::arg("gated") = false);
+  m.def("amx_panel_rows", &amx_panel_rows, "rows of x from which int8 / int4 panels run on AMX tiles (0: no AMX)");
   m.def("amx_bf16", &amx_bf16, "whether this build multiplies bfloat16 linears on AMX tiles (and the OS allows them)");
   m.def("linear_int8", &linear_int8, "x @ w.T, int8 weights (as quantized: few rows of x; or from pack_int8: any count) with per-row scales");
   m.def("pack_int8", &pack_int8, "int8 weights [N, K] in the panels of linear_int8's integer GEMM (VNNI and AVX2 builds)");

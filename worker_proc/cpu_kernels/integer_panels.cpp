@@ -491,6 +491,64 @@ at::Tensor linear_int8_panels_as(const at::Tensor& x, const Int8PanelCode* w, in
 
 }  // namespace
 
+#if defined(LOOM_VNNI_PANELS) && defined(__AVX512BF16__)
+namespace {
+// Lane l of f0 and f1 as the bf16 pair (f0[l], f1[l]) in 32-bit lane l: the VNNI form the AMX
+// tiles multiply (cvtne2ps puts f0's 16 words first, f1's after; the permutation interleaves them).
+inline __m512i interleave_bf16(__m512 f0, __m512 f1) {
+  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(order), (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+}
+}  // namespace
+
+// Column tile `tile` (features 16 tile .. 16 tile + 15) of int8 panels, as bfloat16 weights in the
+// AMX tiles' form: group g's 16 pairs of inputs at dst + g * group_stride, pair p's 32 values at
+// p * 32. Each value is bf16(code * scale), rounded as dequantize_int8 rounds it (the FMA of
+// code + 128 by scale plus -128 scale is that product, exact, rounded once).
+void int8_panel_tile_bf16(const uint8_t* panels, int64_t groups, const float* scale, int64_t tile,
+                          at::BFloat16* dst, int64_t group_stride) {
+  const __m512 s = _mm512_loadu_ps(scale + 16 * tile), offset = _mm512_mul_ps(s, _mm512_set1_ps(-128.f));
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  const uint8_t* src = panels + (tile / 2) * groups * kInt8GroupBytes + (tile % 2) * 64;
+  const auto value = [&](__m512i w, int shift) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, shift), byte)), s, offset);
+  };
+  for (int64_t g = 0; g < groups; ++g, src += kInt8GroupBytes, dst += group_stride)
+    for (int step = 0; step < 8; ++step) {  // inputs 4 step .. 4 step + 3: two pairs
+      const __m512i w = _mm512_loadu_si512(src + step * 2 * 64);
+      _mm512_storeu_si512(dst + (2 * step) * 32, interleave_bf16(value(w, 0), value(w, 8)));
+      _mm512_storeu_si512(dst + (2 * step + 1) * 32, interleave_bf16(value(w, 16), value(w, 24)));
+    }
+}
+
+// The same for int4 panels: bf16(code * scale + min), rounded as dequantize_int4 rounds it (the
+// product, then the sum).
+void int4_panel_tile_bf16(const uint8_t* panels, int64_t groups, int64_t tile, at::BFloat16* dst,
+                          int64_t group_stride) {
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  const uint8_t* src = panels + (tile / 2) * groups * kPanelGroupBytes;
+  const int64_t v = tile % 2;
+  for (int64_t g = 0; g < groups; ++g, src += kPanelGroupBytes, dst += group_stride) {
+    const float* scales = reinterpret_cast<const float*>(src + kCodeBytes);
+    const __m512 s = _mm512_loadu_ps(scales + 16 * v), minimum = _mm512_loadu_ps(scales + kPanelCols + 16 * v);
+    const auto value = [&](__m512i w, int shift) {
+      const __m512 code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, shift), nibble));
+      return _mm512_add_ps(_mm512_mul_ps(code, s), minimum);
+    };
+    for (int part = 0; part < 4; ++part) {  // inputs 8 part .. 8 part + 7: lane l's byte j holds
+      // input 8 part + j (low nibble) and 8 part + 4 + j (high nibble) of feature 16 v + l
+      const __m512i w = _mm512_loadu_si512(src + v * 256 + part * 64);
+      at::BFloat16* out = dst + 4 * part * 32;
+      _mm512_storeu_si512(out, interleave_bf16(value(w, 0), value(w, 8)));
+      _mm512_storeu_si512(out + 32, interleave_bf16(value(w, 16), value(w, 24)));
+      _mm512_storeu_si512(out + 64, interleave_bf16(value(w, 4), value(w, 12)));
+      _mm512_storeu_si512(out + 96, interleave_bf16(value(w, 20), value(w, 28)));
+    }
+  }
+}
+#endif
+
 bool integer_panels() {
 #if defined(LOOM_INTEGER_PANELS)
   return true;

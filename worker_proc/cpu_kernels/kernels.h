@@ -65,6 +65,19 @@ at::Tensor linear_int4_panels(at::Tensor x, at::Tensor panels, int64_t n);
 at::Tensor pack_int8_panels(at::Tensor w);
 at::Tensor unpack_int8_panels(at::Tensor panels, int64_t n);
 at::Tensor linear_int8_panels(at::Tensor x, at::Tensor panels, at::Tensor scale);
+// int8 and int4 panels on AMX tiles (amx_linear.cpp): each group of column blocks widened to
+// bfloat16 (integer_panels.cpp's *_panel_tile_bf16) into an L2 buffer, then the bfloat16 tile
+// products, with x in bfloat16 (not quantized). linear_panels_amx(x, panels, n, scale, gated) =
+// x @ W.T [M, n] (int8: scale [n]; int4: none), or silu(gate) * up [M, n / 2] where gated (W an
+// MLP's [gate; up]); amx_panel_rows(): the rows from which it beats the integer panels (0: no AMX).
+int64_t amx_panel_rows();
+bool amx_panels_take(const at::Tensor& panels, int64_t n, bool gated);
+at::Tensor linear_panels_amx(at::Tensor x, at::Tensor panels, int64_t n, std::optional<at::Tensor> scale,
+                             bool gated);
+void int8_panel_tile_bf16(const uint8_t* panels, int64_t groups, const float* scale, int64_t tile,
+                          at::BFloat16* dst, int64_t group_stride);
+void int4_panel_tile_bf16(const uint8_t* panels, int64_t groups, int64_t tile, at::BFloat16* dst,
+                          int64_t group_stride);
 // float16 weights (--quantization fp16): pack_half lays W [N, K] out for linear_half, which
 // returns x @ W.T [M, n] in x's dtype.
 at::Tensor pack_half(at::Tensor w);
@@ -98,6 +111,10 @@ int64_t packed_bf16_cols(const at::Tensor& packed);  // y's columns of pack_dens
 // packed blocks (packed.size(0)) before the region. Ends without a barrier: the caller's.
 void linear_packed_bf16_team(const at::BFloat16* x, int64_t m, const at::Tensor& packed, at::BFloat16* y,
                              loom::BlockClaims& claims);
+// linear_panels_amx's team form: claims reset to amx_panel_blocks(n, gated) before the region.
+int64_t amx_panel_blocks(int64_t n, bool gated);
+void linear_panels_amx_team(const at::BFloat16* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n,
+                            const float* scale, bool gated, at::BFloat16* y, loom::BlockClaims& claims);
 // One row of x without AMX (linear_dense's path there): y [n] = x [K] @ W.T, W [n, K] unpacked;
 // gated: W = an MLP's [gate; up] [2 inter, K] and y [inter] = silu(gate) * up (inter a multiple of 16)
 void linear_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t n, int64_t k, at::BFloat16* y);

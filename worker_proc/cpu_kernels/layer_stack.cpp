@@ -75,6 +75,23 @@ struct LinearWeights {
   // Blocks a team shares (claims reset to these): the integer or float32 panels, or the packed
   // bfloat16 blocks.
   int64_t team_blocks() const { return (int8_panels() ? tensors[0] : int4_panels() ? tensors[3] : packed()).size(0); }
+  // int8 or int4 panels that a bfloat16 step of `rows` rows runs on AMX tiles (gated: an MLP's
+  // [gate; up], giving silu(gate) * up)
+  bool on_amx_panels(int64_t rows, bool gated) const {
+    const int64_t from = amx_panel_rows();
+    return from && rows >= from && (int8_panels() || int4_panels()) && amx_panels_take(panels(), out_features(), gated);
+  }
+  const at::Tensor& panels() const { return int8_panels() ? tensors[0] : tensors[3]; }
+  // What a bfloat16 step's one region takes: packed bfloat16 weights (the MLP's packed gated), or
+  // int8 / int4 panels on AMX tiles
+  bool in_bf16_region(int64_t rows, bool gated) const {
+    return (packed_bf16() && gated == this->gated()) || on_amx_panels(rows, gated);
+  }
+  // y's columns and the team's blocks in a bfloat16 region
+  int64_t bf16_cols(bool gated) const {
+    return packed_bf16() ? packed_bf16_cols(packed()) : gated ? out_features() / 2 : out_features();
+  }
+  int64_t bf16_blocks(bool gated) const { return packed_bf16() ? packed().size(0) : amx_panel_blocks(out_features(), gated); }
   // y [rows, out_features] = x [rows, k] @ W.T as a team form (in_f32_region(rows))
   void team(const float* x, int64_t rows, int64_t k, float* y, const IntegerScratch& scratch,
             loom::BlockClaims& claims) const {
@@ -219,8 +236,9 @@ class LayerStack {
 
  private:
   // One parallel region for the layers of a step (team.h) where every op has a team form, one
-  // process: bfloat16 weights all packed (the MLP's gated) with bfloat16 pools, or float32
-  // activations (weights on float32, int8 or int4 panels) with float32 or float16 pools.
+  // process: bfloat16 activations with bfloat16 or int8 pools, the weights all packed bfloat16 (the
+  // MLP's gated) or, from amx_panel_rows() rows, int8 / int4 panels on AMX tiles; or float32
+  // activations (weights on float32, int8 or int4 panels) with float32, float16 or int8 pools.
   bool runs_in_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                           const at::Tensor& sin, const std::vector<at::Tensor>& kv,
                           const at::Tensor& out_cache_loc) const {
@@ -237,9 +255,9 @@ class LayerStack {
 #if defined(__AVX512BF16__)
       if (x.size(1) % 16 || head_dim_ % 32 || (pool_type != at::kBFloat16 && pool_type != at::kChar)) return false;
       for (const Layer& layer : layers_)
-        if (!layer.qkv.packed_bf16() || !layer.o.packed_bf16() || !layer.gate_up.packed_bf16() ||
-            !layer.gate_up.gated() || !layer.down.packed_bf16() || layer.input_norm.scalar_type() != at::kBFloat16 ||
-            layer.post_norm.scalar_type() != at::kBFloat16)
+        if (!layer.qkv.in_bf16_region(t, false) || !layer.o.in_bf16_region(t, false) ||
+            !layer.gate_up.in_bf16_region(t, true) || !layer.down.in_bf16_region(t, false) ||
+            layer.input_norm.scalar_type() != at::kBFloat16 || layer.post_norm.scalar_type() != at::kBFloat16)
           return false;
       return true;
 #else
@@ -285,11 +303,11 @@ class LayerStack {
     constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
     const int64_t t = x.size(0), hidden = x.size(1), q_size = num_heads_ * head_dim_;
     // (bfloat16: the MLP's gated [gate; up] gives silu(gate) * up; float32: [gate | up], then silu_mul)
-    const auto cols = [](const LinearWeights& w) {
-      if constexpr (bf16) return packed_bf16_cols(w.packed());
+    const auto cols = [](const LinearWeights& w, bool gated = false) {
+      if constexpr (bf16) return w.bf16_cols(gated);
       else return w.out_features();
     };
-    const int64_t qkv_cols = cols(layers_[0].qkv), gate_up_cols = cols(layers_[0].gate_up);
+    const int64_t qkv_cols = cols(layers_[0].qkv), gate_up_cols = cols(layers_[0].gate_up, true);
     const int64_t inter = bf16 ? gate_up_cols : gate_up_cols / 2;
     const auto empty = [&](int64_t n) { return at::empty({t, n}, x.options()); };
     residual = x;
@@ -306,9 +324,10 @@ class LayerStack {
     std::vector<KV*> pools(count);
     for (size_t i = 0; i < count; ++i) {
       const Layer& layer = layers_[i];
-      TORCH_CHECK(cols(layer.qkv) == qkv_cols && cols(layer.gate_up) == gate_up_cols, "layers of one shape expected");
+      TORCH_CHECK(cols(layer.qkv) == qkv_cols && cols(layer.gate_up, true) == gate_up_cols, "layers of one shape expected");
       const LinearWeights* linears[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-      for (int j = 0; j < 4; ++j) claims[4 * i + j].reset(linears[j]->team_blocks(), threads);
+      for (int j = 0; j < 4; ++j)
+        claims[4 * i + j].reset(bf16 ? linears[j]->bf16_blocks(j == 2) : linears[j]->team_blocks(), threads);
       pools[i] = kv[i].data_ptr<KV>();
     }
     T *xp = x.data_ptr<T>(), *hp = h.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(), *attnp = attn.data_ptr<T>(),
@@ -324,10 +343,16 @@ class LayerStack {
                      offsets = buffer(t * widest / 32, at::kInt);
     const IntegerScratch scratch{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>()};
     // (k: the linear's inputs)
-    const auto linear = [&](const LinearWeights& weights, const T* in, int64_t k, T* out, loom::BlockClaims& claims) {
+    // (gated: the MLP's [gate; up])
+    const auto linear = [&](const LinearWeights& weights, const T* in, int64_t k, T* out, loom::BlockClaims& claims,
+                            bool gated = false) {
       const at::Tensor& w = weights.tensors[0];
       if constexpr (bf16) {
-        if (!one_row)
+        if (!weights.packed_bf16())  // int8 / int4 panels on AMX (in_bf16_region)
+          linear_panels_amx_team(in, t, k, weights.panels(), weights.out_features(),
+                                 weights.int8_panels() ? weights.tensors[1].data_ptr<float>() : nullptr,
+                                 gated, out, claims);
+        else if (!one_row)
           linear_packed_bf16_team(in, t, weights.packed(), out, claims);
         else if (weights.gated())
           gated_row_bf16_team(in, w.data_ptr<T>(), w.size(0) / 2, w.size(1), out);
@@ -349,7 +374,7 @@ class LayerStack {
       linear(layer.o, attnp, q_size, projp, claims[4 * i + 1]);
 #pragma omp barrier
       rms_norm_team(projp, xp, layer.post_norm.data_ptr<T>(), hp, t, hidden, eps_);
-      linear(layer.gate_up, hp, hidden, gate_upp, claims[4 * i + 2]);
+      linear(layer.gate_up, hp, hidden, gate_upp, claims[4 * i + 2], true);
 #pragma omp barrier
       if constexpr (!bf16) silu_mul_team(gate_upp, midp, t, inter);
       linear(layer.down, midp, inter, projp, claims[4 * i + 3]);

@@ -964,9 +964,18 @@ at::Tensor linear_dense(at::Tensor x, at::Tensor w, std::optional<at::Tensor> pa
   return dispatch(x, DenseBF16{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(1)}, w.size(0));
 }
 
+// bfloat16 x of amx_panel_rows() rows or more on integer panels: AMX tiles over widened weights
+static bool takes_amx_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  return amx_panel_rows() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= amx_panel_rows() &&
+         amx_panels_take(panels, n, false);
+}
+
 at::Tensor linear_int8(at::Tensor x, at::Tensor w, at::Tensor scale) {
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be float32 [N]");
-  if (w.dim() == 3) return linear_int8_panels(x, w, scale);
+  if (w.dim() == 3) {
+    if (takes_amx_panels(x, w, scale.numel())) return linear_panels_amx(x, w, scale.numel(), scale, false);
+    return linear_int8_panels(x, w, scale);
+  }
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == x.size(1) &&
                   scale.numel() == w.size(0), "w must be int8 [N, K] (or from pack_int8), scale float32 [N]");
   const Int8Rows rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)};
@@ -1049,6 +1058,8 @@ int64_t int4_panel_rows() {
 at::Tensor linear_int4(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor minimum,
                        std::optional<at::Tensor> panels) {
   const int64_t k = x.size(1), n = w.size(0);
+  if (panels && panels->numel() && takes_amx_panels(x, *panels, n))
+    return linear_panels_amx(x, *panels, n, std::nullopt, false);
   if (panels && panels->numel() && x.dim() == 2 && x.size(0) >= int4_panel_rows())
     return linear_int4_panels(x, *panels, n);
   TORCH_CHECK(k % kGroup == 0, "int4 weights need K (", k, ") to be a multiple of ", kGroup);
