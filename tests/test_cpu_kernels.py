@@ -389,7 +389,8 @@ def test_half_linear_module_takes_the_kernel_where_it_pays(kernel, rows):
 def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, n, k):
     """The integer GEMM on pack_int4_panels' layout: 16 features a panel on AVX2 builds, 32 on
     AVX512-VNNI ones (n = 45, 33, 7: a part-padded last one), any number of groups (96, 160: odd
-    counts), x rounded to int8 per group of 32; linear_int4 takes it above one row, the same product."""
+    counts), x rounded to int8 per group of 32; linear_int4 takes it above one row, the same product
+    (bfloat16 x on AMX from amx_panel_rows() rows: the tiles over the widened weights instead)."""
     if not kernel.integer_panels():
         pytest.skip("this build has no integer panels (no AVX2)")
     torch.manual_seed(m * 1000 + n)
@@ -410,7 +411,15 @@ def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
     ref = _int4_reference(x.float(), q4, s4, m4, True)
     torch.testing.assert_close(y.float(), ref, atol=tol * 20, rtol=tol * 2)
     if m > 1:
-        assert torch.equal(kernel.linear_int4(x, q4, s4, m4, panels), y)
+        direct = kernel.linear_int4(x, q4, s4, m4, panels)
+        assert torch.equal(direct, kernel.linear_panels_amx(x, panels, n) if _takes_amx_tiles(kernel, x, n) else y)
+
+
+def _takes_amx_tiles(kernel, x: torch.Tensor, n: int) -> bool:
+    """Whether linear_int8 / linear_int4 multiply x on AMX tiles over the widened panels (bfloat16
+    x of amx_panel_rows() rows or more, n a multiple of 32; test_quantization checks their bits)."""
+    rows = kernel.amx_panel_rows()
+    return x.dtype == torch.bfloat16 and 0 < rows <= x.shape[0] and n % 32 == 0
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
@@ -419,8 +428,9 @@ def test_int4_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
 def test_int8_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, n, k):
     """int8 weights: pack_int8 lays them out in the integer GEMM's panels (16 features on AVX2
     builds, 32 on AVX512-VNNI ones stored + 128 as uint8; part-padded last ones; odd group counts),
-    linear_int8 takes them at every row count with x rounded to int8 per group of 32, and
-    dequantize_int8 reads them back exactly."""
+    linear_int8 takes them at every row count with x rounded to int8 per group of 32 (bfloat16 x on
+    AMX from amx_panel_rows() rows: the tiles over the widened weights), and dequantize_int8 reads
+    them back exactly."""
     if not kernel.integer_panels():
         pytest.skip("this build has no integer panels (no AVX2)")
     torch.manual_seed(m * 1000 + n)
@@ -438,7 +448,10 @@ def test_int8_panels_match_the_int8_activation_reference(kernel, dtype, tol, m, 
     assert torch.equal(kernel.dequantize_int8(panels, s8, torch.float32), w8)
     y = kernel.linear_int8(x, panels, s8)
     assert y.dtype == dtype and y.shape == (m, n)
-    torch.testing.assert_close(y.float(), F.linear(_int8_per_group(x.float()), w8), atol=tol * 20, rtol=tol * 2)
+    if _takes_amx_tiles(kernel, x, n):
+        assert torch.equal(y, kernel.linear_panels_amx(x, panels, n, s8))
+    else:
+        torch.testing.assert_close(y.float(), F.linear(_int8_per_group(x.float()), w8), atol=tol * 20, rtol=tol * 2)
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
