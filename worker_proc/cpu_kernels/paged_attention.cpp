@@ -557,6 +557,15 @@ inline void add_values(vf (*acc)[NV], const float (*prob)[kLanes], const KV* kv,
     for (int j = 0; j < NV; ++j) acc[r][j] = a[r][j];
 }
 
+// add_values over `count` query heads of one kv head, R at a time (then fewer).
+template <int R, int NV, typename KV>
+inline void add_value_heads(vf (*acc)[NV], const float (*prob)[kLanes], const KV* kv, const int32_t* slots,
+                            int64_t slot_stride, int64_t v_off, int64_t n, int64_t count) {
+  for (; count >= R; count -= R, acc += R, prob += R) add_values<R, NV>(acc, prob, kv, slots, slot_stride, v_off, n);
+  if constexpr (R > 1)
+    if (count) add_value_heads<R - 1, NV>(acc, prob, kv, slots, slot_stride, v_off, n, count);
+}
+
 // A row of one token (a decode): every head in one pass over the request's slots. A slot's K and
 // V of all kv heads are contiguous, so each is read whole, once, 16 tokens a block, with an
 // online softmax (a running max and sum per head). Slots are scattered in the pool: reading them
@@ -617,17 +626,8 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv,
       std::memcpy(prob[h], &e, sizeof(e));
     }
     // acc += p * v, up to kValueRows query heads of one kv head in registers at a time
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      const int64_t v_off = (KVH + kh) * D;
-      for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += kValueRows) {
-        switch (std::min<int64_t>(kValueRows, (kh + 1) * G - h0)) {
-          case 1: add_values<1, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n); break;
-          case 2: add_values<2, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n); break;
-          case 3: add_values<3, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n); break;
-          default: add_values<4, NV>(acc + h0, prob + h0, kv, slots + t0, p.kv_slot_stride, v_off, n);
-        }
-      }
-    }
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      add_value_heads<kValueRows, NV>(acc + kh * G, prob + kh * G, kv, slots + t0, p.kv_slot_stride, (KVH + kh) * D, n, G);
   }
   for (int64_t h = 0; h < H; ++h) store_partial(partial, h, D, acc[h], run_max[h], run_sum[h]);
 }
@@ -1218,37 +1218,9 @@ int64_t partial_floats(const std::vector<DecodeRow>& decode_rows, int64_t H, int
 // K's codes by codes + 128 (its first operand is unsigned) in one instruction; the 257 x 128 x
 // (sum of K's codes) that adds comes off with one more vpdpbusd per kv head and token (ones times
 // K), so a score is s x k_scale x (256 hi.k + lo.k) / 256 with exact integer sums up to there.
-// Values: V's codes widened to float, times probabilities that carry their V row's scale. Blocks of 16 tokens
-// with an online softmax; the next block's slots are fetched ahead as attend_decode_dpbf16 does.
-template <int R, int NV>
-inline void value_rows_i8(vf (*acc)[NV], const float (*prob)[kLanes], const int8_t* const* slot, int64_t v_off,
-                          int64_t nb) {
-  vf a[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) a[r][j] = acc[r][j];
-  for (int64_t i = 0; i < nb; ++i) {
-    const int8_t* v = slot[i] + v_off;
-    vf vr[NV];
-    for (int j = 0; j < NV; ++j)
-      vr[j] = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j * kLanes)))));
-    for (int r = 0; r < R; ++r) {
-      const vf w = splat(prob[r][i]);
-      for (int j = 0; j < NV; ++j) a[r][j] = w * vr[j] + a[r][j];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = a[r][j];
-}
-
-template <int R, int NV>
-inline void value_heads_i8(vf (*acc)[NV], const float (*prob)[kLanes], const int8_t* const* slot, int64_t v_off,
-                           int64_t nb, int64_t count) {
-  for (; count >= R; count -= R, acc += R, prob += R) value_rows_i8<R, NV>(acc, prob, slot, v_off, nb);
-  if constexpr (R > 1)
-    if (count) value_heads_i8<R - 1, NV>(acc, prob, slot, v_off, nb, count);
-}
-
+// Values: V's codes widened to float (add_values), times probabilities that carry their V row's
+// scale. Blocks of 16 tokens with an online softmax; the next block's slots are fetched ahead as
+// attend_decode_dpbf16 does.
 template <typename T, int ND>  // ND: 64-code chunks per head row (D = 64 ND)
 void attend_decode_i8(const Problem& p, const Task& task, const T* q, const int8_t* kv, float* partial,
                       const Task* next) {
@@ -1356,7 +1328,7 @@ void attend_decode_i8(const Problem& p, const Task& task, const T* q, const int8
       }
     }
     for (int64_t kh = 0; kh < KVH; ++kh)
-      value_heads_i8<R, NV>(acc + kh * G, prob + kh * G, slot, (KVH + kh) * RB, nb, G);
+      add_value_heads<R, NV>(acc + kh * G, prob + kh * G, kv, slots + t0, p.kv_slot_stride, (KVH + kh) * RB, nb, G);
   }
   for (int64_t h = 0; h < H; ++h) store_partial(partial, h, D, acc[h], run_max[h], run_sum[h]);
 }

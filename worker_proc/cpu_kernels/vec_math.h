@@ -60,6 +60,16 @@ inline vf load16(const c10::BFloat16* p) {  // bf16 is the high half of a float
   return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
 #endif
 }
+inline vf load16(const int8_t* p) {  // (an int8 KV pool's codes, unscaled)
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+  typedef int8_t vb __attribute__((vector_size(16)));
+  vb b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vf);
+#endif
+}
 inline vf load16(const c10::Half* p) {  // (a float16 KV pool)
 #if defined(__AVX512F__)
   return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
