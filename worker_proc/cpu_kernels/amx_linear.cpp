@@ -425,9 +425,9 @@ int64_t amx_panel_rows() { return amx_bf16() ? kAmxPanelRows : 0; }
 
 int64_t amx_panel_blocks(int64_t n, bool gated) { return gated ? n / 2 / kTileRows : n / kBlockN; }
 
-bool amx_panels_take(const at::Tensor& panels, int64_t n, bool gated) {
-  return amx_bf16() && panels.dim() == 3 && panels.size(0) * kBlockN >= n && n > 0 &&
-         (gated ? n % (2 * kTileRows) == 0 && (n / 2) % kTileRows == 0 : n % kBlockN == 0);
+// (gated: each half of [gate; up] then fills blocks of 16, two halves a block)
+bool amx_panels_take(const at::Tensor& panels, int64_t n) {
+  return amx_bf16() && panels.dim() == 3 && panels.size(0) * kBlockN >= n && n > 0 && n % kBlockN == 0;
 }
 
 void linear_panels_amx_team(const at::BFloat16* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n,
@@ -458,8 +458,7 @@ void linear_panels_amx_team(const at::BFloat16* x, int64_t m, int64_t k, const a
 
 at::Tensor linear_panels_amx(at::Tensor x_in, at::Tensor panels, int64_t n, std::optional<at::Tensor> scale,
                              bool gated) {
-  TORCH_CHECK(amx_panels_take(panels, n, gated), "linear_panels_amx: no AMX, or ", n,
-              " outputs do not fill blocks of 32 (gated: two halves of 16s)");
+  TORCH_CHECK(amx_panels_take(panels, n), "linear_panels_amx: no AMX, or ", n, " outputs do not fill blocks of 32");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) == panels.size(1) * kBlockK,
               "linear_panels_amx: x must be bfloat16 [M, K] with the panels' K");
   TORCH_CHECK(!scale || (scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == n),

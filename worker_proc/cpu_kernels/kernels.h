@@ -71,7 +71,7 @@ at::Tensor linear_int8_panels(at::Tensor x, at::Tensor panels, at::Tensor scale)
 // x @ W.T [M, n] (int8: scale [n]; int4: none), or silu(gate) * up [M, n / 2] where gated (W an
 // MLP's [gate; up]); amx_panel_rows(): the rows from which it beats the integer panels (0: no AMX).
 int64_t amx_panel_rows();
-bool amx_panels_take(const at::Tensor& panels, int64_t n, bool gated);
+bool amx_panels_take(const at::Tensor& panels, int64_t n);  // n outputs fill blocks of 32 (gated too)
 at::Tensor linear_panels_amx(at::Tensor x, at::Tensor panels, int64_t n, std::optional<at::Tensor> scale,
                              bool gated);
 void int8_panel_tile_bf16(const uint8_t* panels, int64_t groups, const float* scale, int64_t tile,

@@ -75,17 +75,16 @@ struct LinearWeights {
   // Blocks a team shares (claims reset to these): the integer or float32 panels, or the packed
   // bfloat16 blocks.
   int64_t team_blocks() const { return (int8_panels() ? tensors[0] : int4_panels() ? tensors[3] : packed()).size(0); }
-  // int8 or int4 panels that a bfloat16 step of `rows` rows runs on AMX tiles (gated: an MLP's
-  // [gate; up], giving silu(gate) * up)
-  bool on_amx_panels(int64_t rows, bool gated) const {
+  // int8 or int4 panels that a bfloat16 step of `rows` rows runs on AMX tiles
+  bool on_amx_panels(int64_t rows) const {
     const int64_t from = amx_panel_rows();
-    return from && rows >= from && (int8_panels() || int4_panels()) && amx_panels_take(panels(), out_features(), gated);
+    return from && rows >= from && (int8_panels() || int4_panels()) && amx_panels_take(panels(), out_features());
   }
   const at::Tensor& panels() const { return int8_panels() ? tensors[0] : tensors[3]; }
   // What a bfloat16 step's one region takes: packed bfloat16 weights (the MLP's packed gated), or
-  // int8 / int4 panels on AMX tiles
+  // int8 / int4 panels on AMX tiles (gated: an MLP's [gate; up], giving silu(gate) * up)
   bool in_bf16_region(int64_t rows, bool gated) const {
-    return (packed_bf16() && gated == this->gated()) || on_amx_panels(rows, gated);
+    return (packed_bf16() && gated == this->gated()) || on_amx_panels(rows);
   }
   // y's columns and the team's blocks in a bfloat16 region
   int64_t bf16_cols(bool gated) const {

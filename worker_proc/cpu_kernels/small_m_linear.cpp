@@ -967,7 +967,7 @@ at::Tensor linear_dense(at::Tensor x, at::Tensor w, std::optional<at::Tensor> pa
 // bfloat16 x of amx_panel_rows() rows or more on integer panels: AMX tiles over widened weights
 static bool takes_amx_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
   return amx_panel_rows() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= amx_panel_rows() &&
-         amx_panels_take(panels, n, false);
+         amx_panels_take(panels, n);
 }
 
 at::Tensor linear_int8(at::Tensor x, at::Tensor w, at::Tensor scale) {
