@@ -551,6 +551,7 @@ inline __m512 exp_probs(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+#endif
 
 // One head's online softmax in a decode kernel, with its running max as the exps' reference: a
 // block whose scores stay at or below it (most blocks past the first few) takes no horizontal
@@ -558,29 +559,44 @@ inline __m512 exp_probs(__m512 x) {
 // below the max, moving less often, ran 1.06-1.08x but raised the output's mean error 1.1-1.2x:
 // the top probability is then rounded to bfloat16 instead of being exactly 1.) With exp_probs for
 // vexp16, 64 rows x 362 tokens, 30 layers, on the AMX Xeon: bf16 KV 1.04-1.05x from memory, 1.07x
-// cached; int8 KV 1.07x.
+// cached; int8 KV 1.07x; float32 KV (the generic kernel, as AVX-512 CPUs without BF16 run it) 1.05x.
 struct RunningSoftmax {
   float ref = -std::numeric_limits<float>::infinity();
-  __m512 sums = _mm512_setzero_ps();
+  vf sums{};
 
   // exps of a block's scores s (-inf past its end, giving 0); acc: the head's sums of p v so far
   template <typename V, int NV>
-  __m512 exps(__m512 s, V (&acc)[NV]) {
-    if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(ref), _CMP_GT_OQ)) {  // (always on the first block)
-      const float new_ref = _mm512_reduce_max_ps(s);
-      const __m512 c = _mm512_set1_ps(std::exp(ref - new_ref));
-      sums = _mm512_mul_ps(sums, c);
-      for (int j = 0; j < NV; ++j) acc[j] = reinterpret_cast<V>(_mm512_mul_ps(reinterpret_cast<__m512>(acc[j]), c));
+  vf exps(vf s, V (&acc)[NV]) {
+    if (any_above(s, ref)) {  // (always on the first block)
+      const float new_ref = lane_max(s), c = std::exp(ref - new_ref);
+      sums *= c;
+      for (int j = 0; j < NV; ++j) acc[j] = reinterpret_cast<V>(reinterpret_cast<vf>(acc[j]) * c);
       ref = new_ref;
     }
-    const __mmask16 valid = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_GT_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp_probs(_mm512_sub_ps(s, _mm512_set1_ps(ref))));
-    sums = _mm512_add_ps(sums, e);
+    const vf x = s - ref;
+#if defined(__AVX512F__)
+    const vf e = reinterpret_cast<vf>(_mm512_maskz_mov_ps(
+        _mm512_cmp_ps_mask(reinterpret_cast<__m512>(s), _mm512_set1_ps(-kInf), _CMP_GT_OQ), exp_probs(reinterpret_cast<__m512>(x))));
+#else
+    const vf e = s > -kInf ? loom::vexp16(x > -87.f ? x : splat(-87.f)) : vf{};
+#endif
+    sums += e;
     return e;
   }
-  float sum() const { return _mm512_reduce_add_ps(sums); }
-};
+  float sum() const { return lane_sum(sums); }
+
+ private:
+  static constexpr float kInf = std::numeric_limits<float>::infinity();
+  static bool any_above(vf s, float ref) {
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(s), _mm512_set1_ps(ref), _CMP_GT_OQ);
+#else
+    for (int i = 0; i < kLanes; ++i)
+      if (s[i] > ref) return true;
+    return false;
 #endif
+  }
+};
 
 // acc[r] += sum_i prob[r][i] v_i for R query heads of one kv head over n slots (V of the kv head
 // at kv + slots[i] * slot_stride + v_off): R x NV accumulators in registers.
@@ -626,16 +642,13 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv,
   constexpr float kInf = std::numeric_limits<float>::infinity();
 
   vf qs[kMaxHeads][NV], acc[kMaxHeads][NV], part[kMaxHeads][kLanes];
-  float run_max[kMaxHeads], run_sum[kMaxHeads];
+  RunningSoftmax soft[kMaxHeads];
   alignas(64) float prob[kMaxHeads][kLanes];
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t h = 0; h < H; ++h)
     for (int j = 0; j < NV; ++j) {
       qs[h][j] = load16(q + token * p.q_row_stride + h * D + j * kLanes) * p.scale;
       acc[h][j] = vf{};
     }
-    run_max[h] = -kInf;
-    run_sum[h] = 0.f;
-  }
   const SlotsAhead ahead(p, task, next, kDecodeAhead);
   const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t t0 = begin; t0 < len; t0 += kLanes) {
@@ -657,25 +670,14 @@ void attend_decode(const Problem& p, const Task& task, const T* q, const KV* kv,
     const vi valid = iota < static_cast<int32_t>(n);
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t i = n; i < kLanes; ++i) part[h][i] = vf{};
-      const vf s = valid ? transpose_sum(part[h]) : splat(-kInf);
-      const float new_max = std::max(run_max[h], lane_max(s));
-      vf x = s - new_max;
-      x = x > -87.f ? x : splat(-87.f);
-      const vf e = valid ? loom::vexp16(x) : vf{};
-      if (new_max != run_max[h]) {  // rescale what was summed under the old max
-        const float c = std::exp(run_max[h] - new_max);
-        run_sum[h] *= c;
-        for (int j = 0; j < NV; ++j) acc[h][j] *= c;
-        run_max[h] = new_max;
-      }
-      run_sum[h] += lane_sum(e);
+      const vf e = soft[h].exps(valid ? transpose_sum(part[h]) : splat(-kInf), acc[h]);
       std::memcpy(prob[h], &e, sizeof(e));
     }
     // acc += p * v, up to kValueRows query heads of one kv head in registers at a time
     for (int64_t kh = 0; kh < KVH; ++kh)
       add_value_heads<kValueRows, NV>(acc + kh * G, prob + kh * G, kv, slots + t0, p.kv_slot_stride, (KVH + kh) * D, n, G);
   }
-  for (int64_t h = 0; h < H; ++h) store_partial(partial, h, D, acc[h], run_max[h], run_sum[h]);
+  for (int64_t h = 0; h < H; ++h) store_partial(partial, h, D, acc[h], soft[h].ref, soft[h].sum());
 }
 
 #if defined(LOOM_AVX2_ATTENTION)
@@ -858,7 +860,7 @@ void attend_decode_dpbf16(const Problem& p, const Task& task, const c10::BFloat1
         scores[h] = valid ? transpose_sum(part) * p.scale : splat(-kInf);
       }
     for (int64_t h = 0; h < H; ++h) {
-      const __m512 e = soft[h].exps(reinterpret_cast<__m512>(scores[h]), acc[h]);
+      const __m512 e = reinterpret_cast<__m512>(soft[h].exps(scores[h], acc[h]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob[h]), (__m256i)_mm512_cvtneps_pbh(e));
     }
     for (int64_t kh = 0; kh < KVH; ++kh)  // (an odd last token pairs with the slot after it at probability 0)
@@ -1331,7 +1333,7 @@ void attend_decode_i8(const Problem& p, const Task& task, const T* q, const int8
       for (int64_t i = 0; i < kBlock; ++i) v_scale[i] = loom::kv_row_scale(slot[i] + (KVH + kh) * RB, D);
       const vf vs = load16(v_scale);
       for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-        const vf pv = reinterpret_cast<vf>(soft[h].exps(reinterpret_cast<__m512>(scores[h]), acc[h])) * vs;
+        const vf pv = soft[h].exps(scores[h], acc[h]) * vs;
         std::memcpy(prob[h], &pv, sizeof(pv));
       }
     }
