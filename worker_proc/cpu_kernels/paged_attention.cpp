@@ -515,8 +515,7 @@ struct SlotsAhead {
   int32_t operator[](int64_t t) const { return t < end ? slots[t] : next_slots[t - end + next_begin]; }
 };
 
-// (AVX-512: a shuffle tree; a loop over the lanes extracts each one, the bulk of a decode
-// block's softmax)
+// (AVX-512: a shuffle tree; a loop over the lanes extracts each one)
 inline float lane_max(vf v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
