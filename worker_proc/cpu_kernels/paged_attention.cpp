@@ -758,7 +758,6 @@ void attend_decode_avx2(const Problem& p, const Task& task, const T* q, const KV
 // sums come out permuted within each 128-bit block; the store undoes that.
 // Blocks of 16: the next block's 16 slots are fetched while this one is computed (blocks of 32
 // or 64 fetched further ahead and read 7-19% slower from memory on Zen 4).
-
 constexpr int64_t kDpbf16Block = 16;  // cached tokens per online-softmax update
 
 // acc[r] += sum_i prob[r][i] v_i over the block's nb (padded to even) tokens for R query heads
@@ -909,7 +908,6 @@ inline void transpose_16x16(__m512i r[16]) {
     r[12 + e] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1));
   }
 }
-
 
 // Row s of `padded` scores: exp(scale s - max) over its first `len` into bf16 probs, 0 past them;
 // returns 1 / their sum (of the float32 values).
