@@ -7,8 +7,8 @@ the same run as the figures they put in perspective.
   several such weights (>= 256 MB in all, well past any L3) so each call streams from DRAM: the
   bandwidth roof of small-batch decode. Measured with torch's F.linear and, where it compiles,
   loom's own small-M kernel (worker_proc.cpu_kernels.linear_dense, on the [N, K] weight and, where
-  the build packs float32 weights at load, on the packed panels); the best of these is the
-  "GEMV rate".
+  the build packs the dtype's weights at load, on the packed copy the model streams); the best of
+  these is the "GEMV rate".
 
     python benchmarks/probes.py                 # print the header and probes for this machine
     python benchmarks/probes.py --no-kernel     # skip loom's kernel (no compile)
@@ -105,12 +105,12 @@ def load_loom_gemv() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tenso
 
 
 def _packed_copies(weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """data_ptr -> the weight in loom's packed panels, on huge pages as loom keeps it; empty where
-    the build does not pack this dtype."""
+    """data_ptr -> the weight packed as loom packs it at load (float32 panels, bfloat16 in the AMX
+    tiles' form), on huge pages as loom keeps it; empty where the build does not pack this dtype."""
     from worker_proc import cpu_kernels
 
     module = cpu_kernels.load()
-    pack = getattr(module, "pack_dense_f32", None)
+    pack = getattr(module, "pack_dense_f32" if weights[0].dtype == torch.float32 else "pack_dense_bf16", None)
     out: dict[int, torch.Tensor] = {}
     for w in weights:
         panels = pack(w) if pack is not None else None
@@ -146,8 +146,9 @@ def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.
             kernel_note = f"failed ({type(e).__name__}: {e})"
 
     if "loom" in impls:
-        # loom's linears keep float32 weights packed for the kernel as well (Linear.pack_weight):
-        # a token against the packed copy is the stream a decode step does
+        # loom's linears keep float32 and bfloat16 weights packed for the kernel as well
+        # (Linear.pack_weight): a token against the packed copy is the stream a decode step does
+        # (bfloat16: on AMX tiles; without AMX linear_dense takes the unpacked weight at one row)
         packed = _packed_copies(weights)
         if packed:
             impls["loom packed"] = lambda x, w: kernel(x, w, packed[w.data_ptr()])
