@@ -419,15 +419,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     paired_probe = None
+    paired_kernel = None if args.no_probe or args.probe_once else load_loom_gemv()[0]
     if not (args.no_probe or args.probe_once):
         # This VM's memory and GEMM rates drift by tens of percent over minutes: a roof probed at
         # start-up can belong to another phase than the steps it judges.
-        loom_gemv = load_loom_gemv()[0]
-
         def paired_probe() -> tuple[float, float]:
             with torch.inference_mode():
-                return (probe_gemv(dtype_name, loom_gemv, working_set=working_set)["best_gbs"],
-                        probe_gemm(dtype_name)["gflops"])
+                return (probe_gemv(dtype_name, paired_kernel, working_set=working_set)["best_gbs"],
+                        probe_gemm(dtype_name, kernel=paired_kernel)["gflops"])
     rows: list[dict[str, Any]] = []
     warmup_steps = 0 if args.no_warmup else 2
     with tqdm(total=len(args.batch_sizes) * (warmup_steps + args.output_len), unit="step") as bar:
@@ -458,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
                 def probe_gflops() -> float:
                     with torch.inference_mode():
-                        return probe_gemm(dtype_name)["gflops"]
+                        return probe_gemm(dtype_name, kernel=paired_kernel)["gflops"]
 
                 rounds = prefill_rounds(run_prefill, probe_gflops, args.prefill_rounds,
                                         1e9 / prompt_flops(weights, args.input_len))

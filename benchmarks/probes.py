@@ -3,6 +3,8 @@ the same run as the figures they put in perspective.
 
 - GEMM GFLOP/s per dtype at a model-shaped size (a batch of 1024 tokens through a 576 -> 1536
   projection of the embedded model): the compute roof of prefill and of large decode batches.
+  torch's GEMM and, where it compiles and packs the dtype, loom's kernel on the packed weight;
+  the better of the two.
 - GEMV GB/s per dtype: one token against a weight the size of the model's LM head, cycling over
   several such weights (>= 256 MB in all, well past any L3) so each call streams from DRAM: the
   bandwidth roof of small-batch decode. Measured with torch's F.linear and, where it compiles,
@@ -70,12 +72,30 @@ def _best_seconds(fn: Callable[[], Any], min_reps: int = 3, max_reps: int = 10, 
     return best
 
 
-def probe_gemm(dtype: str, shape: tuple[int, int, int] = GEMM_SHAPE) -> dict[str, Any]:
+def probe_gemm(dtype: str, shape: tuple[int, int, int] = GEMM_SHAPE,
+               kernel: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
+    """GFLOP/s of torch's GEMM and, given loom's linear_dense, of loom's kernel on the weight packed
+    as loom packs it at load (where the build packs this dtype); "gflops" is the better one."""
     m, k, n = shape
     x = torch.randn(m, k, dtype=_DTYPES[dtype])
     w = torch.randn(n, k, dtype=_DTYPES[dtype])
+    flops = 2.0 * m * k * n
     seconds = _best_seconds(lambda: F.linear(x, w))
-    return {"gflops": 2.0 * m * k * n / seconds / 1e9, "seconds": seconds, "shape_mkn": list(shape)}
+    out = {"gflops": flops / seconds / 1e9, "torch_gflops": flops / seconds / 1e9, "loom_gflops": None,
+           "seconds": seconds, "shape_mkn": list(shape)}
+    packed = _packed_copies([w]) if kernel is not None else {}
+    if packed:
+        try:
+            got, want = kernel(x[:4], w, packed[w.data_ptr()]).float(), F.linear(x[:4], w).float()
+            tol = 1e-3 if w.dtype == torch.float32 else 5e-2
+            if torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+                loom_seconds = _best_seconds(lambda: kernel(x, w, packed[w.data_ptr()]))
+                out["loom_gflops"] = flops / loom_seconds / 1e9
+                if loom_seconds < seconds:
+                    out["gflops"], out["seconds"] = out["loom_gflops"], loom_seconds
+        except Exception:  # a benchmark must not fail because an optional kernel did
+            pass
+    return out
 
 
 def zeros_tensor_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -188,7 +208,7 @@ def probe_machine(dtypes: Iterable[str] = PROBE_DTYPES, kernel: bool = True,
     loom_gemv, kernel_state = load_loom_gemv() if kernel else (None, "not probed (--no-kernel)")
     start = time.perf_counter()
     with torch.inference_mode():
-        machine["gemm"] = {d: probe_gemm(d, gemm_shape) for d in dtypes}
+        machine["gemm"] = {d: probe_gemm(d, gemm_shape, loom_gemv) for d in dtypes}
         machine["gemv"] = {d: probe_gemv(d, loom_gemv, gemv_shape, gemv_working_set) for d in dtypes}
     machine["loom_kernel"] = kernel_state
     machine["probe_seconds"] = time.perf_counter() - start
@@ -210,7 +230,9 @@ def format_probe_lines(machine: Mapping[str, Any]) -> list[str]:
     if "gemm" not in machine:
         return ["probes     skipped"]
     m, k, n = GEMM_SHAPE if not machine["gemm"] else next(iter(machine["gemm"].values()))["shape_mkn"]
-    gemm = ", ".join(f"{d} {r['gflops']:.1f}" for d, r in machine["gemm"].items())
+    gemm = ", ".join(f"{d} {r['gflops']:.1f}" + (f" (torch {r['torch_gflops']:.1f}, loom {r['loom_gflops']:.1f})"
+                                                 if r.get("loom_gflops") is not None else "")
+                     for d, r in machine["gemm"].items())
     lines = [f"GEMM       x[{m},{k}] w[{n},{k}]: {gemm} GFLOP/s"]
     for d, r in machine["gemv"].items():
         loom = f"{r['loom_gbs']:.1f}" if r["loom_gbs"] is not None else (r["loom_note"] or "n/a")

@@ -30,6 +30,25 @@ def test_probe_machine_small_shapes_and_header():
         assert needle in text
 
 
+def test_probes_take_loom_packed_kernel_where_it_packs():
+    from benchmarks.probes import load_loom_gemv, probe_gemm, probe_gemv
+
+    kernel = load_loom_gemv()[0]
+    if kernel is None:
+        pytest.skip("loom's CPU kernels did not compile here")
+    from worker_proc import cpu_kernels
+
+    module = cpu_kernels.load()
+    for dtype, pack in (("float32", module.pack_dense_f32), ("bfloat16", module.pack_dense_bf16)):
+        packs = pack(torch.zeros(64, 64, dtype=getattr(torch, dtype))).numel() > 0
+        gemm = probe_gemm(dtype, (64, 64, 64), kernel)
+        assert (gemm["loom_gflops"] is not None) == packs
+        assert gemm["gflops"] == max(gemm["torch_gflops"], gemm["loom_gflops"] or 0.0)
+        gemv = probe_gemv(dtype, kernel, shape=(64, 64), working_set=1 << 16, rounds=1)
+        assert (gemv["loom_packed_gbs"] is not None) == packs
+        assert gemv["best_gbs"] == max(r for r in (gemv["torch_gbs"], gemv["loom_gbs"], gemv["loom_packed_gbs"]) if r)
+
+
 def test_header_without_probes():
     machine = {"cpu": {"model_name": "cpu", "cores": 2, "flags": {"avx2": True}},
                "torch": {"version": "2", "threads": 2}}
