@@ -14,7 +14,9 @@ from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, measure_rounds
                                vllm_preloads, vllm_server_command, vllm_version)
 from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, prefill_rounds, summarize_steps
 from benchmarks.bench_serving_compare import loom_server_command
-from benchmarks.probes import gemm_gflops, gemv_gbs, header_lines, probe_machine
+from benchmarks.probes import (gemm_gflops, gemv_gbs, header_lines, load_loom_gemv, probe_gemm, probe_gemv,
+                               probe_machine)
+from worker_proc import cpu_kernels
 
 
 def test_probe_machine_small_shapes_and_header():
@@ -31,13 +33,9 @@ def test_probe_machine_small_shapes_and_header():
 
 
 def test_probes_take_loom_packed_kernel_where_it_packs():
-    from benchmarks.probes import load_loom_gemv, probe_gemm, probe_gemv
-
     kernel = load_loom_gemv()[0]
     if kernel is None:
         pytest.skip("loom's CPU kernels did not compile here")
-    from worker_proc import cpu_kernels
-
     module = cpu_kernels.load()
     for dtype, pack in (("float32", module.pack_dense_f32), ("bfloat16", module.pack_dense_bf16)):
         packs = pack(torch.zeros(64, 64, dtype=getattr(torch, dtype))).numel() > 0
