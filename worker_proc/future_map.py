@@ -5,21 +5,25 @@ references of the next step's inputs before it runs."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ipc.messages import future_capacity
 
 
 class FutureMap:
+    # (numpy: a step's few ids are stored and resolved in microseconds; torch's indexing ops took
+    # ~0.15 ms a step, ~1.3% of a batch-1 decode step on the AMX Xeon)
     def __init__(self, max_running_requests: int):
-        self.ids = torch.zeros(future_capacity(max_running_requests), dtype=torch.int64)
+        self.ids = np.zeros(future_capacity(max_running_requests), dtype=np.int64)
 
     def resolve(self, input_ids: torch.Tensor) -> None:
-        """Replaces the references among input_ids (int64, in place) by their tokens."""
-        refs = input_ids < 0
+        """Replaces the references among input_ids (int64, on the host, in place) by their tokens."""
+        ids = input_ids.numpy()
+        refs = ids < 0
         if refs.any():
-            input_ids[refs] = self.ids[-input_ids[refs] - 1]
+            ids[refs] = self.ids[-ids[refs] - 1]
 
     def store(self, entries: list[int], token_ids: list[int]) -> None:
         if entries:
-            self.ids[torch.tensor(entries)] = torch.tensor(token_ids, dtype=torch.int64)
+            self.ids[entries] = token_ids
