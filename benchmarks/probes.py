@@ -72,6 +72,13 @@ def _best_seconds(fn: Callable[[], Any], min_reps: int = 3, max_reps: int = 10, 
     return best
 
 
+def _agrees_with_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a kernel's x @ w.T matches F.linear's: a kernel that skipped work would look fast."""
+    want = F.linear(x, w).float()
+    tol = 1e-3 if w.dtype == torch.float32 else 5e-2
+    return torch.allclose(y.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 def probe_gemm(dtype: str, shape: tuple[int, int, int] = GEMM_SHAPE,
                kernel: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
     """GFLOP/s of torch's GEMM and, given loom's linear_dense, of loom's kernel on the weight packed
@@ -86,9 +93,7 @@ def probe_gemm(dtype: str, shape: tuple[int, int, int] = GEMM_SHAPE,
     packed = _packed_copies([w]) if kernel is not None else {}
     if packed:
         try:
-            got, want = kernel(x[:4], w, packed[w.data_ptr()]).float(), F.linear(x[:4], w).float()
-            tol = 1e-3 if w.dtype == torch.float32 else 5e-2
-            if torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+            if _agrees_with_torch(kernel(x[:4], w, packed[w.data_ptr()]), x[:4], w):
                 loom_seconds = _best_seconds(lambda: kernel(x, w, packed[w.data_ptr()]))
                 out["loom_gflops"] = flops / loom_seconds / 1e9
                 if loom_seconds < seconds:
@@ -155,10 +160,7 @@ def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.
     kernel_note = None
     if kernel is not None:
         try:
-            # A kernel that skipped work would look fast: check it once against torch.
-            got, want = kernel(x, weights[0]).float(), F.linear(x, weights[0]).float()
-            tol = 1e-3 if torch_dtype == torch.float32 else 5e-2
-            if torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+            if _agrees_with_torch(kernel(x, weights[0]), x, weights[0]):
                 impls["loom"] = kernel
             else:
                 kernel_note = "result differs from F.linear; not timed"

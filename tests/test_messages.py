@@ -34,7 +34,6 @@ def test_worker_channel_accepts_only_worker_messages():
         msgspec.msgpack.Decoder(ToWorker).decode(msgspec.msgpack.encode(AbortReq("a")))
 
 
-
 def test_decode_step_fast_path_builds_what_the_general_path_builds():
     rng = np.random.default_rng(0)
     for n in (1, 3, 17):
