@@ -230,7 +230,8 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
     last layer narrowed to the logit rows), mixed and decode steps, one-row steps (bfloat16: their
     own linears without AMX) included; bfloat16 on packed weights, float32 activations on float32,
     int8 or int4 panels with a float32 or float16 KV cache; int8 KV caches under both; bfloat16 on
-    int8 / int4 panels (AMX tiles over the widened weights) in steps of amx_panel_rows() rows or more."""
+    int8 / int4 panels (AMX tiles over the widened weights) in steps of amx_panel_rows() rows or more.
+    The same steps with the region run over row chunks give the same logits too."""
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
     if dtype == "bfloat16" and not kernel.packed_bf16_rows():
@@ -265,3 +266,15 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
         assert out_region == out_ops and len(logits_region) == len(logits_ops)
         for a, b in zip(logits_region, logits_ops):
             assert torch.equal(a, b)
+        # the region over row chunks of 32-48 rows, prompts cut mid-way (each chunk one region)
+        chunk_rows = 40
+        stack.one_region, stack.region_rows, whole = True, chunk_rows, stack.region_rows
+        steps = stack.one_region_steps
+        try:
+            out_chunks, logits_chunks, _ = _run_and_capture(fast, batch)
+        finally:
+            stack.region_rows = whole
+        chunked = any(n > chunk_rows for n in in_region)
+        assert (stack.one_region_steps - steps > len(in_region)) if chunked else (
+            stack.one_region_steps - steps == len(in_region))
+        assert out_chunks == out_region and all(torch.equal(a, b) for a, b in zip(logits_chunks, logits_region))
