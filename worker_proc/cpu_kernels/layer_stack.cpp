@@ -240,7 +240,7 @@ class LayerStack {
   // and how many have.
   bool one_region = true;
   int64_t one_region_steps = 0;
-  // Steps of more token rows run the region over chunks of at most this many, each through every
+  // Steps of more token rows run the region over chunks of about this many, each through every
   // layer before the next (a prompt's later chunk attends to the K/V its earlier ones stored): the
   // activations between ops then stay in the caches instead of going through memory (a 32,768-row
   // prefill 1.13-1.31x on the AMX Xeon; chunks of 1,024-3,072 rows all gained there).
@@ -302,8 +302,8 @@ class LayerStack {
   // run_in_one_region over row chunks (row_chunks): each chunk's share of the step's batch rows (a
   // row cut by a chunk's end keeps its tokens up to there) with its own attention plan.
   void run_in_row_chunks(size_t count, const std::vector<int64_t>& chunks, at::Tensor& x, at::Tensor& residual,
-                         const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv,
-                         const at::Tensor& out_cache_loc, const at::Tensor& req_to_token, const at::Tensor& req_idx,
+                         const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::vector<at::Tensor>& kv, const at::Tensor& out_cache_loc, const at::Tensor& req_to_token, const at::Tensor& req_idx,
                          const at::Tensor& token_starts, const at::Tensor& extend_lens, const at::Tensor& seq_lens,
                          double scale) {
     const auto as_i64 = [](const at::Tensor& v) { return v.to(at::kLong).contiguous(); };
