@@ -303,9 +303,9 @@ class LayerStack {
   // row cut by a chunk's end keeps its tokens up to there) with its own attention plan.
   void run_in_row_chunks(size_t count, const std::vector<int64_t>& chunks, at::Tensor& x, at::Tensor& residual,
                          const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                         const std::vector<at::Tensor>& kv, const at::Tensor& out_cache_loc, const at::Tensor& req_to_token, const at::Tensor& req_idx,
-                         const at::Tensor& token_starts, const at::Tensor& extend_lens, const at::Tensor& seq_lens,
-                         double scale) {
+                         const std::vector<at::Tensor>& kv, const at::Tensor& out_cache_loc,
+                         const at::Tensor& req_to_token, const at::Tensor& req_idx, const at::Tensor& token_starts,
+                         const at::Tensor& extend_lens, const at::Tensor& seq_lens, double scale) {
     const auto as_i64 = [](const at::Tensor& v) { return v.to(at::kLong).contiguous(); };
     const at::Tensor reqs = as_i64(req_idx), starts = as_i64(token_starts), lens = as_i64(extend_lens),
                      seqs = as_i64(seq_lens);
