@@ -121,6 +121,8 @@ struct Layer {
   LinearWeights qkv, o, gate_up, down;
 };
 
+at::Tensor as_i64(const at::Tensor& v) { return v.to(at::kLong).contiguous(); }
+
 // Attention for the tokens in logit_rows alone: each one a row of one token (a decode's shape)
 // that sees its request's slots up to its own position; q rows in logit_rows' order.
 std::shared_ptr<const PagedAttentionPlan> plan_logit_rows(int64_t num_tokens, int64_t num_heads,
@@ -129,7 +131,6 @@ std::shared_ptr<const PagedAttentionPlan> plan_logit_rows(int64_t num_tokens, in
                                                           const at::Tensor& token_starts,
                                                           const at::Tensor& extend_lens,
                                                           const at::Tensor& seq_lens, double scale) {
-  const auto as_i64 = [](const at::Tensor& v) { return v.to(at::kLong).contiguous(); };
   const at::Tensor reqs = as_i64(req_idx), starts = as_i64(token_starts), lens = as_i64(extend_lens),
                       seqs = as_i64(seq_lens), tokens = as_i64(logit_rows);
   std::vector<int64_t> row_of_token(num_tokens, -1);
@@ -306,7 +307,6 @@ class LayerStack {
                          const std::vector<at::Tensor>& kv, const at::Tensor& out_cache_loc,
                          const at::Tensor& req_to_token, const at::Tensor& req_idx, const at::Tensor& token_starts,
                          const at::Tensor& extend_lens, const at::Tensor& seq_lens, double scale) {
-    const auto as_i64 = [](const at::Tensor& v) { return v.to(at::kLong).contiguous(); };
     const at::Tensor reqs = as_i64(req_idx), starts = as_i64(token_starts), lens = as_i64(extend_lens),
                      seqs = as_i64(seq_lens);
     const int64_t rows = reqs.numel();
