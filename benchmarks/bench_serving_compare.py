@@ -13,9 +13,9 @@
 
 Each side runs alone (the previous one is shut down first). Prints output tok/s of each and the
 ratios loom HTTP / loom offline, loom HTTP / llama.cpp server and loom HTTP / vLLM server. With
---rounds N, loom offline, loom's server and vLLM's server are measured N times in turn (a fresh
-engine or server each time, every other round in reverse order, loom's server always next to
-loom offline) and each ratio is the median of the rounds' ratios: a VM's speed can move by tens
+--rounds N, loom offline, loom's server and vLLM's server (when measured) are measured N times in
+turn (a fresh engine or server each time, every other round in reverse order, loom's server always
+next to loom offline; the llama.cpp server once) and each ratio is the median of the rounds' ratios: a VM's speed can move by tens
 of per cent within minutes, which one pair of runs cannot tell from the engines.
 
     python benchmarks/bench_serving_compare.py                      # 64 requests, 32 streams
@@ -155,43 +155,45 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             stop(server)
 
-    if not args.no_vllm:
-        vllm = run_vllm_side(args, results)
-        if vllm is not None:
-            results["vllm_http"] = vllm
-            # (loom HTTP in the middle: next to loom offline, its own ratio's other side, either way)
-            results["rounds"] = measure_rounds(
-                args.rounds, {"loom_offline": results["loom_offline"]["output_tok_s"],
-                              "loom_http": results["loom_http"]["output_throughput"],
-                              "vllm_http": vllm["output_throughput"]},
-                {"loom_offline": lambda: run_loom_offline()["output_tok_s"],
-                 "loom_http": lambda: run_loom_server(args)["output_throughput"],
-                 "vllm_http": lambda: run_vllm_side(args, results)["output_throughput"]},
-                {"ratio": ("loom_http", "vllm_http"), "http_over_offline": ("loom_http", "loom_offline")})
-
-    rounds = results.get("rounds", [])
-    offline = (statistics.median(r["loom_offline"] for r in rounds) if rounds
-               else results["loom_offline"]["output_tok_s"])
-    http = statistics.median(r["loom_http"] for r in rounds) if rounds else results["loom_http"]["output_throughput"]
-    # with rounds, each round's HTTP over its own offline run, the median of those
-    http_over_offline = statistics.median(r["http_over_offline"] for r in rounds) if rounds else http / offline
-    rows = [["loom offline (Engine)" + (" (median)" if len(rounds) > 1 else ""), f"{offline:.1f}", ""],
-            ["loom HTTP" + (" (median)" if len(rounds) > 1 else ""), f"{http:.1f}",
-             f"{http_over_offline:.2f}x offline" + (" (median of rounds)" if len(rounds) > 1 else "")]]
+    # (loom HTTP in the middle: next to loom offline, its own ratio's other side, either way)
+    first = {"loom_offline": results["loom_offline"]["output_tok_s"],
+             "loom_http": results["loom_http"]["output_throughput"]}
+    runs = {"loom_offline": lambda: run_loom_offline()["output_tok_s"],
+            "loom_http": lambda: run_loom_server(args)["output_throughput"]}
+    ratios = {"http_over_offline": ("loom_http", "loom_offline")}
+    vllm = None if args.no_vllm else run_vllm_side(args, results)
+    if vllm is not None:
+        results["vllm_http"] = vllm
+        first["vllm_http"] = vllm["output_throughput"]
+        runs["vllm_http"] = lambda: run_vllm_side(args, results)["output_throughput"]
+        ratios["ratio"] = ("loom_http", "vllm_http")
+    rounds = results["rounds"] = measure_rounds(args.rounds, first, runs, ratios)
+    several = len(rounds) > 1
+    median = " (median)" if several else ""
+    offline = statistics.median(r["loom_offline"] for r in rounds)
+    http = statistics.median(r["loom_http"] for r in rounds)
+    # each round's HTTP over its own offline run, the median of those
+    http_over_offline = statistics.median(r["http_over_offline"] for r in rounds)
+    rows = [["loom offline (Engine)" + median, f"{offline:.1f}", ""],
+            ["loom HTTP" + median, f"{http:.1f}",
+             f"{http_over_offline:.2f}x offline" + (" (median of rounds)" if several else "")]]
     results["ratios"] = {"loom_http_over_offline": http_over_offline}
     if "llamacpp_http" in results:
         lc = results["llamacpp_http"]["output_throughput"]
         rows.append(["llama.cpp server", f"{lc:.1f}", f"loom HTTP = {http / lc:.2f}x"])
         results["ratios"]["loom_http_over_llamacpp_http"] = http / lc
-    if rounds:  # (one round: its figures; more: each round's, then the medians)
-        several = len(rounds) > 1
-        for i, r in enumerate(rounds if several else []):
+    for i, r in enumerate(rounds if several else []):
+        if vllm is None:
+            rows.append([f"round {i + 1}: loom offline / HTTP", f"{r['loom_offline']:.1f} / {r['loom_http']:.1f}",
+                         f"{r['http_over_offline']:.2f}x offline"])
+        else:
             rows.append([f"round {i + 1}: loom offline / HTTP / vLLM",
                          f"{r['loom_offline']:.1f} / {r['loom_http']:.1f} / {r['vllm_http']:.1f}",
                          f"{r['http_over_offline']:.2f}x offline, {r['ratio']:.2f}x vLLM"])
+    if vllm is not None:
         v = statistics.median(r["vllm_http"] for r in rounds)
         ratio = statistics.median(r["ratio"] for r in rounds)
-        rows.append([f"vLLM server{' (median)' if several else ''}", f"{v:.1f}",
+        rows.append([f"vLLM server{median}", f"{v:.1f}",
                      f"loom HTTP = {ratio:.2f}x{' (median of rounds)' if several else ''}"])
         results["ratios"]["loom_http_over_vllm_http"] = ratio
     print(format_table(["side", "output tok/s", "ratio"], rows))
