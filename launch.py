@@ -32,6 +32,7 @@ from scheduler_proc.batching import BATCHING_STRATEGIES
 from scheduler_proc.load_balancer import LOAD_BALANCE_METHODS
 from scheduler_proc.policies import QUEUE_POLICIES
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES
+from tokenizer_proc.tool_calls import TOOL_CALL_FORMATS
 from worker_proc.cpu_kernels import ISA_LEVELS
 from worker_proc.dllm_algorithms import DLLM_ALGORITHMS
 from worker_proc.dtype_probe import DTYPES
@@ -177,6 +178,11 @@ class ServerArgs:
                                      "round-trip (off: its KV is freed and allocated again each round)")
     served_model_name: str | None = _arg(None, "model name the OpenAI routes answer to (default: the folder name)")
     api_key: str | None = _arg(None, "when set, every route but /health needs 'Authorization: Bearer <key>'")
+    tool_call_parser: str = _arg("auto", "how chat replies write function calls (`tools`): hermes (<tool_call> JSON "
+                                         "blocks), llama3_json (the reply a JSON call), mistral ([TOOL_CALLS] and a "
+                                         "JSON list); auto: the one the chat template teaches (hermes, with the tools "
+                                         "in a system message, where it teaches none)",
+                                 choices=("auto", *TOOL_CALL_FORMATS.names()))
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
     max_request_bytes: int = _arg(32 * 1024 * 1024, "largest HTTP request body (and ZMQ client message) accepted; "
                                                     "larger ones are refused with HTTP 413")
@@ -754,7 +760,8 @@ def serve(args: ServerArgs) -> None:
         frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}", args.max_request_bytes)
         frontend.start()
         app = build_app(manager, {**info, "zmq_endpoint": frontend.address},
-                        args.served_model_name or model_dir.name, args.api_key, args.max_request_bytes)
+                        args.served_model_name or model_dir.name, args.api_key, args.max_request_bytes,
+                        args.tool_call_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout + 1, access_log=False)
         print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -195,3 +197,33 @@ def test_stream_interval_gathers_tokens_into_fewer_chunks(client, model):
         per_chunk[interval] = [len(c.choices[0].logprobs.tokens) for c in chunks]
     assert per_chunk[1] == [1] * 20
     assert per_chunk[6] == [1, 6, 6, 6, 1]
+
+
+def test_tools_through_the_sdk(client, model):
+    """The SDK takes loom's function-calling replies, streamed or not (what the 135M model writes
+    decides whether it called; test_tool_calls.py pins the parsing on scripted replies)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                              "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=choice,
+                                           temperature=0, max_tokens=48)
+        reply = r.choices[0]
+        assert reply.finish_reason in ("stop", "length", "tool_calls")
+        assert (reply.finish_reason == "tool_calls") == bool(reply.message.tool_calls)
+        for call in reply.message.tool_calls or []:
+            assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+        chunks = list(client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=choice,
+                                                     temperature=0, max_tokens=48, stream=True))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length", "tool_calls")
+    # a conversation that carries a call and its result
+    follow_up = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    assert client.chat.completions.create(model=model, messages=follow_up, tools=tools, max_tokens=8).usage.total_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert e.value.body["param"] == "tool_choice"

@@ -63,14 +63,31 @@ COMPLETION = {
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
     "type": "object", "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}}]}
 
+_FUNCTION = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "minLength": 1}, "description": {"type": ["string", "null"]},
+    "parameters": {"type": ["object", "null"]}}}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]}, "function": _FUNCTION}}
+_TOOL_CALL = {"type": "object", "required": ["type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+
 CHAT_COMPLETION = {
     "type": "object",
     "required": ["messages"],
     "properties": {
         "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant"]}, "content": _CONTENT}}},
+            "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]}, "content": _CONTENT,
+            "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL}, "tool_call_id": {"type": ["string", "null"]}}}},
         "max_tokens": _INT, "max_completion_tokens": _INT, "logprobs": {"type": ["boolean", "null"]},
-        "top_logprobs": _INT, "tools": {"type": ["array", "null"]}, **_OPENAI_SAMPLING,
+        "top_logprobs": _INT, "tools": {"type": ["array", "null"], "items": _TOOL},
+        "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "null"},
+                                  {"type": "object", "required": ["type", "function"], "properties": {
+                                      "type": {"type": "string", "enum": ["function"]},
+                                      "function": {"type": "object", "required": ["name"],
+                                                   "properties": {"name": {"type": "string"}}}}}]},
+        "parallel_tool_calls": {"type": ["boolean", "null"]}, **_OPENAI_SAMPLING,
     },
 }
 

@@ -73,9 +73,10 @@ def _prompts(body: dict) -> tuple[list[tuple[str | None, list | None]], bool]:
 
 
 def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name: str,
-              api_key: str | None = None, max_request_bytes: int = 32 * 1024 * 1024) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = 32 * 1024 * 1024,
+              tool_call_parser: str = "auto") -> FastAPI:
     app = FastAPI(title="loom")
-    app.include_router(build_router(OpenAIServing(manager, model_name, manager.context_len)))
+    app.include_router(build_router(OpenAIServing(manager, model_name, manager.context_len, tool_call_parser)))
 
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)

@@ -4,7 +4,9 @@ Requests are read leniently, as the OpenAI spec allows (null for any optional fi
 as a string or a list of parts) plus the extras vLLM / SGLang clients send (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, regex stops);
 fields with no effect here (user, routing fields) are ignored. A wrong value is a 400 that names
-the field."""
+the field. Chat requests with `tools` get function calling (tool_calls.py): the tools in the prompt,
+the calls parsed out of the reply (tool_choice auto), or a reply started as a call (required, or a
+named function)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from ipc.messages import SamplingParams
 from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
+from tokenizer_proc.tool_calls import (TOOL_CALL_FORMATS, ToolCallFormat, ToolCallStream, format_for_template,
+                                       renders_tools, template_messages)
 
 MAX_CHOICES = 4096  # prompts x n in one request
 STREAM_BUFFER = 64  # chunks a stream holds for a client that reads slowly; its producers then wait
@@ -102,11 +106,23 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
 
 
 class OpenAIServing:
-    def __init__(self, manager: TokenizerManager, model_name: str, context_len: int):
+    def __init__(self, manager: TokenizerManager, model_name: str, context_len: int, tool_call_parser: str = "auto"):
         self.manager = manager
         self.model_name = model_name
         self.context_len = context_len
         self.created = int(time.time())
+        self.tool_call_parser = tool_call_parser
+        self._tool_format: ToolCallFormat | None = None
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """--tool-call-parser's format (auto: the one the chat template teaches)."""
+        if self._tool_format is None:
+            name = self.tool_call_parser
+            if name == "auto":
+                name = format_for_template(getattr(self.manager.tokenizer, "chat_template", None))
+            self._tool_format = TOOL_CALL_FORMATS.make(name)
+        return self._tool_format
 
     def check_model(self, body: dict) -> str:
         model = _field(body, "model", str, self.model_name)
@@ -214,21 +230,7 @@ class OpenAIServing:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if want:
             sampling.update(logprobs=True, top_logprobs=top)
-        if body.get("tools"):
-            raise ApiError(400, "'tools' (function calling) is not supported", "tools")
-        messages = _field(body, "messages", list)
-        if not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        conversation = [_chat_message(m, i) for i, m in enumerate(messages)]
-        chars = sum(len(m["content"]) for m in conversation)
-        if self.manager.max_prompt_chars is not None and chars > self.manager.max_prompt_chars:
-            raise ApiError(400, f"messages: {chars} characters cannot fit the context of {self.context_len} tokens",
-                           "messages")
-        try:
-            prompt = self.manager.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                                tokenize=False)
-        except Exception as e:  # a template that rejects the roles or order
-            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        prompt, calls = self._chat_prompt(body)
         ids = self.manager.check_vocabulary(self.manager.tokenizer.encode(prompt, add_special_tokens=False), "messages")
         if len(ids) >= self.context_len:
             raise ApiError(400, f"messages: the prompt has {len(ids)} tokens; the context length is "
@@ -242,13 +244,46 @@ class OpenAIServing:
                                 lambda idx, delta, finish, lps: {"index": idx, "delta": delta,
                                                                  "logprobs": self._chat_logprobs(lps),
                                                                  "finish_reason": finish},
-                                chat=True)
+                                chat=True, calls=calls)
         outs = await self._run_all(jobs, routed)
-        choices = [{"index": idx, "message": {"role": "assistant", "content": out["text"]},
-                    "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None),
-                    "finish_reason": _finish(out)} for idx, out in outs]
+        choices = [{"index": idx, **_chat_reply(out, calls),
+                    "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None)} for idx, out in outs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs))}
+
+    def _chat_prompt(self, body: dict) -> tuple[str, tuple | None]:
+        """The chat request's prompt text, and (format, forced reply start, parallel, function
+        names) where tool calls are to be parsed out of the reply (None: not)."""
+        tools = _tools(body)
+        tool_choice = _tool_choice(body, tools)
+        parallel = _field(body, "parallel_tool_calls", bool, True)
+        messages = _field(body, "messages", list)
+        if not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        conversation = [_chat_message(m, i) for i, m in enumerate(messages)]
+        chars = sum(len(m["content"]) for m in conversation) + len(json.dumps(tools or []))
+        if self.manager.max_prompt_chars is not None and chars > self.manager.max_prompt_chars:
+            raise ApiError(400, f"messages: {chars} characters cannot fit the context of {self.context_len} tokens",
+                           "messages")
+        fmt = self.tool_format
+        template = getattr(self.manager.tokenizer, "chat_template", None)
+        with_tools = renders_tools(template)
+        try:
+            prompt = self.manager.tokenizer.apply_chat_template(
+                template_messages(conversation, tools, fmt, with_tools), add_generation_prompt=True, tokenize=False,
+                **({"tools": tools} if tools and with_tools else {}))
+        except Exception as e:  # a template that rejects the roles or order
+            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        # the reply's start when a call is required: of the function named (or the one tool), or
+        # the model names it
+        names = frozenset(t["function"]["name"] for t in tools or [])
+        if tool_choice == "required" and len(names) == 1:
+            tool_choice = next(iter(names))
+        forced = fmt.forced_prefix(None if tool_choice == "required" else tool_choice) \
+            if tools and tool_choice not in ("auto", "none") else ""
+        prompt += forced
+        calls = (fmt, forced, parallel, names) if tools and tool_choice != "none" else None
+        return prompt, calls
 
     # ---- logprobs -----------------------------------------------------------------------
 
@@ -317,9 +352,11 @@ class OpenAIServing:
         return [(group_of[idx], o) for idx, o in outs]
 
     def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, routed_dp_rank, make_choice, prefix=None,
-                chat=False):
+                chat=False, calls=None):
         """SSE chunks of every choice as they come, then a usage chunk if asked, then [DONE].
-        Validation happens here, before the stream starts, so errors in it are the engine's."""
+        Validation happens here, before the stream starts, so errors in it are the engine's.
+        calls: (format, forced prefix, parallel, function names) where tool calls are parsed out of the
+        chat reply."""
         for _, _, sampling, _ in jobs[:1]:  # (the choices differ only in their seeds)
             self.manager.check_request(sampling, routed_dp_rank=routed_dp_rank)
         # bounded (several choices; one choice has no queue): a client that stops reading makes the
@@ -340,13 +377,24 @@ class OpenAIServing:
                 yield make_choice(idx, {"role": "assistant", "content": ""}, None, None)
             elif prefix is not None:
                 yield make_choice(idx, prefix[idx], None, None)
+            tool_stream = ToolCallStream(*calls) if calls else None
             async for out in gen:
-                delta, sent = out["text"][sent:], len(out["text"])
                 lps = _token_logprobs(out)[sent_tokens:] if wants else None
                 sent_tokens = len(out["output_ids"])
                 finish = _finish(out) if out["meta_info"]["finish_reason"] else None
-                if delta or finish or lps:
-                    yield make_choice(idx, {"content": delta} if chat else delta, finish, lps)
+                if tool_stream is None:
+                    delta, sent = out["text"][sent:], len(out["text"])
+                    if delta or finish or lps:
+                        yield make_choice(idx, {"content": delta} if chat else delta, finish, lps)
+                else:  # content as it becomes certain, each call once it is whole, then the finish
+                    content, new_calls = tool_stream.feed(out["text"], final=finish is not None)
+                    if content or lps:
+                        yield make_choice(idx, {"content": content}, None, lps)
+                    first = tool_stream.calls_sent - len(new_calls)
+                    for k, call in enumerate(new_calls):
+                        yield make_choice(idx, {"tool_calls": [call.to_openai(first + k)]}, None, None)
+                    if finish:
+                        yield make_choice(idx, {}, "tool_calls" if tool_stream.calls_sent else finish, None)
                 if finish:
                     yield ("usage", group_of[idx], out)
 
@@ -415,6 +463,74 @@ def _finish(out: dict) -> str | None:
     return None if reason is None else reason["type"]
 
 
+def _chat_reply(out: dict, calls: tuple[ToolCallFormat, str, bool, frozenset[str]] | None) -> dict:
+    """A non-streamed choice's message and finish_reason; with tool calls parsed out where asked."""
+    if calls is None:
+        return {"message": {"role": "assistant", "content": out["text"]}, "finish_reason": _finish(out)}
+    fmt, forced, parallel, names = calls
+    content, found = fmt.parse(forced + out["text"], names)
+    if not parallel:
+        found = found[:1]
+    if not found:
+        return {"message": {"role": "assistant", "content": content}, "finish_reason": _finish(out)}
+    return {"message": {"role": "assistant", "content": content or None,
+                        "tool_calls": [c.to_openai() for c in found]}, "finish_reason": "tool_calls"}
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """The request's function tools, checked (as the template and the prompt take them)."""
+    tools = _field(body, "tools", list)
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           f"tools[{i}].function.parameters")
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> str:
+    """none, auto, required, or the name of the function the reply must call."""
+    choice = _field(body, "tool_choice", (str, dict), "auto" if tools else "none")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(400, f"'tool_choice' must be none, auto, required or a function, got '{choice}'",
+                           "tool_choice")
+        if choice == "required" and not tools:
+            raise ApiError(400, "'tool_choice' required needs 'tools'", "tool_choice")
+        return choice
+    name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+    names = [t["function"]["name"] for t in tools or []]
+    if choice.get("type", "function") != "function" or name not in names:
+        raise ApiError(400, f"'tool_choice' names a function that is not in 'tools' ({', '.join(names) or 'none'})",
+                       "tool_choice")
+    return name
+
+
+def _chat_call(c: Any, where: str) -> dict:
+    """A past call of an assistant message: its name and arguments (an object)."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}",
+                       where)
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ApiError(400, f"{where}.function.arguments must be a JSON object", where) from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}.function.arguments must be a JSON object", where)
+    return {"id": c.get("id"), "name": fn["name"], "arguments": args}
+
+
 def _chat_message(m: Any, i: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ApiError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
@@ -430,7 +546,15 @@ def _chat_message(m: Any, i: int) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content")
-    return {"role": m["role"], "content": content}
+    out = {"role": m["role"], "content": content}
+    if m.get("tool_calls"):
+        if not isinstance(m["tool_calls"], list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
+        out["tool_calls"] = [_chat_call(c, f"messages[{i}].tool_calls[{k}]") for k, c in enumerate(m["tool_calls"])]
+    for key in ("tool_call_id", "name"):  # (a tool message's)
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out
 
 
 def build_router(serving: OpenAIServing) -> APIRouter:

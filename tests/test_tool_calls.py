@@ -1,0 +1,279 @@
+"""Function calling: the tool-call formats whole and streamed, the tools in the prompt, and the
+chat route's tool_calls (the model's replies scripted)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+
+import pytest
+
+from tokenizer_proc.openai_api import ApiError, OpenAIServing
+from tokenizer_proc.tool_calls import (TOOL_CALL_FORMATS, ToolCallStream, format_for_template, renders_tools,
+                                       template_messages)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+NAMES = frozenset({"get_weather", "get_time"})
+
+# (format, reply, content, [(name, arguments)])
+REPLIES = [
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> Done.',
+     "Done.", [("get_weather", {"city": "Oslo"})]),
+    ("hermes", 'A <tool_call>{"name": "get_time", "arguments": {}}</tool_call> then <tool_call>{oops</tool_call>',
+     "A\nthen <tool_call>{oops</tool_call>", [("get_time", {})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}', "", [("get_weather", {"city": "Rome"})]),
+    ("hermes", "No tools needed: 4 < 5 and <tool is not a marker.", "No tools needed: 4 < 5 and <tool is not a marker.", []),
+    ("hermes", 'text <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
+     'text <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Lima"}}', "", [("get_weather", {"city": "Lima"})]),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Kyiv"}}',
+     "", [("get_time", {}), ("get_weather", {"city": "Kyiv"})]),
+    ("llama3_json", 'The answer is {"x": 1}.', 'The answer is {"x": 1}.', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": ', '{"name": "get_weather", "parameters": {"city": ', []),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Bern"}}]', "Sure.",
+     [("get_weather", {"city": "Bern"})]),
+    ("mistral", '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Riga"}}]', "",
+     [("get_time", {}), ("get_weather", {"city": "Riga"})]),
+    ("mistral", "[1, 2, 3] are numbers.", "[1, 2, 3] are numbers.", []),
+]
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("fmt,reply,content,calls", REPLIES)
+def test_a_whole_reply_parses_into_content_and_calls(fmt, reply, content, calls):
+    got_content, got_calls = TOOL_CALL_FORMATS.make(fmt).parse(reply, NAMES)
+    assert (got_content, _calls(got_calls)) == (content, calls)
+    assert len({c.id for c in got_calls}) == len(got_calls) and all(c.id.startswith("call_") for c in got_calls)
+
+
+@pytest.mark.parametrize("fmt,reply,content,calls", REPLIES)
+def test_a_streamed_reply_gives_what_the_whole_one_gives(fmt, reply, content, calls):
+    rng = random.Random(len(reply))
+    for _ in range(6):
+        stream, sent, found, cut = ToolCallStream(TOOL_CALL_FORMATS.make(fmt), names=NAMES), "", [], 0
+        while cut < len(reply):
+            cut = min(len(reply), cut + rng.randint(1, 9))
+            text, new = stream.feed(reply[:cut], final=False)
+            sent, found = sent + text, found + new
+        text, new = stream.feed(reply, final=True)
+        assert (sent + text, _calls(found + new)) == (content, calls)
+
+
+def test_a_stream_holds_back_what_may_begin_the_calls_and_sends_each_hermes_call_once_closed():
+    stream = ToolCallStream(TOOL_CALL_FORMATS.make("hermes"), names=NAMES)
+    assert stream.feed("Checking <tool_", final=False) == ("Checking", [])
+    assert stream.feed('Checking <tool_call>{"name": "get_time", "arguments": {}}', final=False) == ("", [])
+    text, calls = stream.feed('Checking <tool_call>{"name": "get_time", "arguments": {}}</tool_call>', final=False)
+    assert text == "" and _calls(calls) == [("get_time", {})]
+    assert stream.feed('Checking <tool_call>{"name": "get_time", "arguments": {}}</tool_call>', final=True) == ("", [])
+
+
+@pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS.names())
+def test_a_forced_start_and_the_models_continuation_make_the_call(fmt):
+    f = TOOL_CALL_FORMATS.make(fmt)
+    whole = f.call_text("get_weather", {"city": "Paris"})
+    for function in ("get_weather", None):
+        prefix = f.forced_prefix(function)
+        assert whole.startswith(prefix)
+        stream = ToolCallStream(f, prefix, names=NAMES)
+        text, calls = stream.feed(whole[len(prefix):], final=True)
+        assert text == "" and _calls(calls) == [("get_weather", {"city": "Paris"})]
+        assert _calls(f.parse(whole, NAMES)[1]) == [("get_weather", {"city": "Paris"})]
+
+
+def test_the_format_is_the_one_the_template_teaches():
+    assert format_for_template("{% for t in tools %}...<tool_call>{{ t }}</tool_call>{% endfor %}") == "hermes"
+    assert format_for_template("{{- '<|python_tag|>' }}{% if tools %}{% endif %}") == "llama3_json"
+    assert format_for_template("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert format_for_template(None) == "hermes"
+    assert renders_tools("{% if tools %}{{ tools }}{% endif %}") and not renders_tools("{{ messages }}")
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_7", "name": "get_weather", "arguments": {"city": "Paris"}}]},
+    {"role": "tool", "content": "18 C", "tool_call_id": "call_7"},
+]
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_text():
+    fmt = TOOL_CALL_FORMATS.make("hermes")
+    out = template_messages(copy.deepcopy(CONVERSATION), [WEATHER], fmt, template_renders_tools=False)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\n") and '"name": "get_weather"' in out[0]["content"]
+    assert "<tool_call>" in out[0]["content"]
+    assert out[2]["content"] == fmt.call_text("get_weather", {"city": "Paris"}) and "tool_calls" not in out[2]
+    assert out[3]["content"] == "<tool_response>\n18 C\n</tool_response>"
+
+
+def test_a_template_with_tools_gets_the_calls_with_their_arguments_as_objects():
+    out = template_messages(copy.deepcopy(CONVERSATION), [WEATHER], TOOL_CALL_FORMATS.make("hermes"), True)
+    assert out[0] == CONVERSATION[0] and out[3] == CONVERSATION[3]
+    assert out[2]["tool_calls"] == [{"id": "call_7", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+
+
+# ---- the chat route, the model's replies scripted -----------------------------------------------
+
+class ScriptedManager:
+    """What OpenAIServing asks of a TokenizerManager; each request's reply is the next script
+    line, streamed a few characters a result."""
+
+    max_prompt_chars = None
+
+    def __init__(self, tokenizer, replies: list[str]):
+        self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
+
+    def check_vocabulary(self, ids, field):
+        return ids
+
+    def ensure_capacity(self, n):
+        pass
+
+    def check_request(self, sampling, **kwargs):
+        pass
+
+    def _results(self, ids):
+        self.prompts.append(self.tokenizer.decode(ids))
+        text = self.replies.pop(0)
+        ends = list(range(4, len(text), 4)) + [len(text)]
+        for n in ends:
+            yield {"text": text[:n], "output_ids": list(range(n)),
+                   "meta_info": {"finish_reason": {"type": "stop"} if n == len(text) else None, "completion_tokens": n,
+                                 "cached_tokens": 0, "output_token_logprobs": [], "output_top_logprobs": []}}
+
+    async def generate(self, input_ids, sampling, stream=False, prefill_group=None, routed_dp_rank=None):
+        for out in self._results(input_ids):
+            yield out
+
+    async def generate_final(self, input_ids, sampling, prefill_group=None, routed_dp_rank=None):
+        return list(self._results(input_ids))[-1]
+
+
+def _chat(serving: OpenAIServing, body: dict):
+    async def run():
+        response = await serving.chat(body)
+        if isinstance(response, dict):
+            return response
+        chunks = []
+        async for item in response.body_iterator:
+            data = (item.decode() if isinstance(item, bytes) else item).removeprefix("data: ").strip()
+            if data != "[DONE]":
+                chunks.append(json.loads(data))
+        return chunks
+
+    return asyncio.run(run())
+
+
+def _serving(tokenizer, replies, parser="auto"):
+    manager = ScriptedManager(tokenizer, replies)
+    return OpenAIServing(manager, "m", 2048, parser), manager
+
+
+BODY = {"messages": [{"role": "user", "content": "Weather in Paris and the time?"}], "tools": [WEATHER, TIME]}
+REPLY = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_chat_returns_the_calls_streamed_or_not(smollm2_tokenizer):
+    serving, manager = _serving(smollm2_tokenizer, [REPLY, REPLY])
+    r = _chat(serving, BODY)
+    message = r["choices"][0]["message"]
+    assert r["choices"][0]["finish_reason"] == "tool_calls" and message["content"] == "I will check."
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] \
+        == [("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]
+    assert '"name": "get_weather"' in manager.prompts[0]  # (SmolLM2's template renders no tools: a system message)
+
+    chunks = _chat(serving, {**BODY, "stream": True})
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "I will check."
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] \
+        == [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
+    assert all(tc["id"].startswith("call_") and tc["type"] == "function" for tc in calls)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(smollm2_tokenizer):
+    serving, _ = _serving(smollm2_tokenizer, [REPLY, REPLY])
+    r = _chat(serving, {**BODY, "parallel_tool_calls": False})
+    assert [c["function"]["name"] for c in r["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+    chunks = _chat(serving, {**BODY, "parallel_tool_calls": False, "stream": True})
+    assert [tc["function"]["name"] for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []] \
+        == ["get_weather"]
+
+
+def test_tool_choice_none_and_a_reply_without_calls_are_plain_content(smollm2_tokenizer):
+    serving, _ = _serving(smollm2_tokenizer, [REPLY, "It is sunny."])
+    r = _chat(serving, {**BODY, "tool_choice": "none"})
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": REPLY}
+    assert r["choices"][0]["finish_reason"] == "stop"
+    r = _chat(serving, BODY)
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+
+
+@pytest.mark.parametrize("choice,prefix", [
+    ({"type": "function", "function": {"name": "get_time"}}, '<tool_call>\n{"name": "get_time", "arguments": '),
+    ("required", '<tool_call>\n{"name": "'),
+])
+def test_a_required_or_named_call_starts_the_reply_as_one(smollm2_tokenizer, choice, prefix):
+    continuation = {"required": 'get_weather", "arguments": {"city": "Nice"}}\n</tool_call>'}.get(
+        choice, '{}}\n</tool_call>') if isinstance(choice, str) else '{}}\n</tool_call>'
+    serving, manager = _serving(smollm2_tokenizer, [continuation, continuation])
+    r = _chat(serving, {**BODY, "tool_choice": choice})
+    assert manager.prompts[0].endswith(prefix)
+    calls = r["choices"][0]["message"]["tool_calls"]
+    want = ("get_weather", {"city": "Nice"}) if choice == "required" else ("get_time", {})
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [want]
+    chunks = _chat(serving, {**BODY, "tool_choice": choice, "stream": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    assert [tc["function"]["name"] for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []] == [want[0]]
+
+
+def test_a_template_that_renders_tools_gets_them(smollm2_tokenizer):
+    tokenizer = copy.copy(smollm2_tokenizer)
+    tokenizer.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.arguments | tojson }}</tool_call>{% endfor %}"
+        "\n{% endfor %}<assistant>")
+    serving, manager = _serving(tokenizer, [REPLY])
+    body = {"messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"UTC\"}"}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "noon"}],
+            "tools": [WEATHER, TIME]}
+    r = _chat(serving, body)
+    # (HF templates drop the newline after a block tag)
+    assert manager.prompts[0] == ('TOOLS:get_weather;get_time;<user>Hi<assistant><tool_call>{"tz": "UTC"}</tool_call>'
+                                  "<tool>noon<assistant>")
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages[0].tool_calls[0]"),
+])
+def test_bad_tools_fields_are_400_naming_the_field(smollm2_tokenizer, body, param):
+    serving, _ = _serving(smollm2_tokenizer, ["x"])
+    with pytest.raises(ApiError) as e:
+        _chat(serving, {"messages": [{"role": "user", "content": "Hi"}], **body})
+    assert e.value.status == 400 and e.value.param == param
