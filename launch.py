@@ -534,7 +534,7 @@ def _prepare(args: ServerArgs, preload: tuple[str, ...] = ()):
 
 class Engine:
     """In-process entry point: `Engine(**ServerArgs fields)`; generate / async_generate /
-    streaming; use as a context manager or call shutdown()."""
+    streaming, chat (OpenAI chat completions); use as a context manager or call shutdown()."""
 
     def __init__(self, **kwargs: Any):
         from tokenizer_proc.manager import TokenizerManager
@@ -557,6 +557,7 @@ class Engine:
         self.manager = self._run(make_manager())
         self.launcher.watch(self._on_child_death)
         self._closed = False
+        self._chat = None  # the OpenAI chat route's logic, for chat()
 
     def _on_child_death(self, message: str) -> None:
         log.error("loom: %s", message)
@@ -630,6 +631,33 @@ class Engine:
                     return
         finally:
             await call(agen.aclose())
+
+    def chat(self, messages: list[dict] | list[list[dict]], **request: Any) -> dict | list[dict]:
+        """OpenAI chat completions in-process: one conversation (a list of messages) -> the
+        chat.completion dict /v1/chat/completions returns; a list of conversations -> a list of
+        them, in order, run together. `request`: the route's other fields (max_tokens, temperature,
+        n, tools, tool_choice, logprobs, ...). A wrong field is a ValueError naming it."""
+        from tokenizer_proc.openai_api import ApiError, OpenAIServing
+
+        if request.get("stream"):
+            raise ValueError("stream: Engine.chat returns whole replies; stream with generate(stream=True)")
+        if self._chat is None:
+            self._chat = OpenAIServing(self.manager, self.args.served_model_name or self.model_dir.name,
+                                       self.manager.context_len, self.args.tool_call_parser)
+        single = bool(messages) and isinstance(messages[0], dict)
+        bodies = [{**request, "messages": m} for m in ([messages] if single else messages)]
+
+        async def one(body):
+            try:
+                return await self._chat.chat(body)
+            except ApiError as e:
+                raise ValueError(e.message) from None
+
+        async def run_all():
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+        outs = self._run(run_all())
+        return outs[0] if single else list(outs)
 
     def abort(self, rid: str = "") -> None:
         self._run(self.manager.abort(rid))

@@ -174,3 +174,15 @@ def test_penalties_logit_bias_and_min_tokens_take_effect(engine):
     counts = lambda ids: max(ids.count(t) for t in set(ids))
     assert counts(penalized["output_ids"]) < counts(story["output_ids"])
     assert_no_leak(engine)
+
+
+def test_chat_returns_what_the_chat_route_returns(engine):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    r = engine.chat(question, max_tokens=32, temperature=0)
+    assert r["object"] == "chat.completion" and r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": "The capital of France is Paris."}
+    several = engine.chat([question, [{"role": "user", "content": "What is 12 times 7?"}]], max_tokens=32, temperature=0)
+    assert [c["choices"][0]["message"]["content"] for c in several][0] == "The capital of France is Paris."
+    assert all(c["usage"]["completion_tokens"] > 0 for c in several)
+    with pytest.raises(ValueError, match="tool_choice"):
+        engine.chat(question, tool_choice="required")
