@@ -1,5 +1,5 @@
 """Function calling: the tool-call formats whole and streamed, the tools in the prompt, and the
-chat route's tool_calls (the model's replies scripted)."""
+chat route's prompts and tool_calls (the model's replies scripted)."""
 
 from __future__ import annotations
 
@@ -277,3 +277,10 @@ def test_bad_tools_fields_are_400_naming_the_field(smollm2_tokenizer, body, para
     with pytest.raises(ApiError) as e:
         _chat(serving, {"messages": [{"role": "user", "content": "Hi"}], **body})
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_developer_message_is_a_system_message(smollm2_tokenizer):
+    serving, manager = _serving(smollm2_tokenizer, ["Hi.", "Hi."])
+    for role in ("developer", "system"):
+        _chat(serving, {"messages": [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]})
+    assert manager.prompts[0] == manager.prompts[1] and "Answer in French." in manager.prompts[0]

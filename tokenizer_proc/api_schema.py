@@ -78,7 +78,7 @@ CHAT_COMPLETION = {
     "required": ["messages"],
     "properties": {
         "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]}, "content": _CONTENT,
+            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "content": _CONTENT,
             "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL}, "tool_call_id": {"type": ["string", "null"]}}}},
         "max_tokens": _INT, "max_completion_tokens": _INT, "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": _INT, "tools": {"type": ["array", "null"], "items": _TOOL},

@@ -546,7 +546,8 @@ def _chat_message(m: Any, i: int) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content")
-    out = {"role": m["role"], "content": content}
+    # (OpenAI's "developer" messages are what "system" ones were; chat templates know the latter)
+    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
     if m.get("tool_calls"):
         if not isinstance(m["tool_calls"], list):
             raise ApiError(400, f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
