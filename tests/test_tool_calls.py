@@ -49,6 +49,14 @@ def _calls(calls) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
+@pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS.names())
+def test_a_reply_nested_too_deeply_is_content(fmt):
+    f = TOOL_CALL_FORMATS.make(fmt)
+    reply = f.forced_prefix("get_time") + "[" * 100_000
+    assert f.parse(reply, NAMES) == (reply, [])
+    assert ToolCallStream(f, names=NAMES).feed(reply, final=True) == (reply, [])
+
+
 @pytest.mark.parametrize("fmt,reply,content,calls", REPLIES)
 def test_a_whole_reply_parses_into_content_and_calls(fmt, reply, content, calls):
     got_content, got_calls = TOOL_CALL_FORMATS.make(fmt).parse(reply, NAMES)
@@ -271,6 +279,8 @@ def test_a_template_that_renders_tools_gets_them(smollm2_tokenizer):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages[0].tool_calls[0]"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}]}, "messages[0].tool_calls[0]"),
 ])
 def test_bad_tools_fields_are_400_naming_the_field(smollm2_tokenizer, body, param):
     serving, _ = _serving(smollm2_tokenizer, ["x"])

@@ -524,7 +524,7 @@ def _chat_call(c: Any, where: str) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deeply)
             raise ApiError(400, f"{where}.function.arguments must be a JSON object", where) from None
     if not isinstance(args, dict):
         raise ApiError(400, f"{where}.function.arguments must be a JSON object", where)

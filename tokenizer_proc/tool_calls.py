@@ -45,7 +45,7 @@ def _call(obj: Any, argument_keys: tuple[str, ...], names: frozenset[str] | None
     if isinstance(args, str):  # (arguments already as JSON text)
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deeply)
             return None
     if not isinstance(args, dict):
         return None
@@ -63,7 +63,7 @@ def _json_values(text: str, separators: str) -> list[Any] | None:
             return values
         try:
             value, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deeply)
             return None
         values.append(value)
 
