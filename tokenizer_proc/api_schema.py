@@ -78,8 +78,9 @@ CHAT_COMPLETION = {
     "required": ["messages"],
     "properties": {
         "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
-            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "content": _CONTENT,
-            "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL}, "tool_call_id": {"type": ["string", "null"]}}}},
+            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": _CONTENT, "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
+            "tool_call_id": {"type": ["string", "null"]}}}},
         "max_tokens": _INT, "max_completion_tokens": _INT, "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": _INT, "tools": {"type": ["array", "null"], "items": _TOOL},
         "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "null"},

@@ -141,7 +141,8 @@ class Hermes(ToolCallFormat):
         return '<tool_call>\n{"name": "' + (f'{function}", "arguments": ' if function else "")
 
     def call_text(self, name: str, arguments: dict) -> str:
-        return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        return f"<tool_call>\n{call}\n</tool_call>"
 
 
 @TOOL_CALL_FORMATS.register("llama3_json")
@@ -249,7 +250,8 @@ class ToolCallStream:
         if not final:
             closed = full.rfind("</tool_call>") if isinstance(self.fmt, Hermes) else -1
             if closed > start:  # (hermes: each block's call goes out once it closes)
-                return content, self._new_calls(self.fmt.parse_calls(full[start:closed + len("</tool_call>")], self.names) or [])
+                blocks = full[start:closed + len("</tool_call>")]
+                return content, self._new_calls(self.fmt.parse_calls(blocks, self.names) or [])
             return content, []
         whole, calls = self.fmt.parse(full, self.names)
         if not calls:  # the calls did not parse: the rest is content
