@@ -50,6 +50,15 @@ def _calls(calls) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS.names())
+def test_a_named_start_writes_the_name_as_json(fmt):
+    f = TOOL_CALL_FORMATS.make(fmt)
+    name = 'say "hi"'
+    prefix = f.forced_prefix(name)
+    reply = f.call_text(name, {})
+    assert reply.startswith(prefix) and _calls(f.parse(reply, frozenset({name}))[1]) == [(name, {})]
+
+
+@pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS.names())
 def test_a_reply_nested_too_deeply_is_content(fmt):
     f = TOOL_CALL_FORMATS.make(fmt)
     reply = f.forced_prefix("get_time") + "[" * 100_000

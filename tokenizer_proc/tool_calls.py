@@ -138,7 +138,7 @@ class Hermes(ToolCallFormat):
         return _call(values[0], ("arguments", "parameters"), names) if values and len(values) == 1 else None
 
     def forced_prefix(self, function: str | None) -> str:
-        return '<tool_call>\n{"name": "' + (f'{function}", "arguments": ' if function else "")
+        return '<tool_call>\n{"name": ' + (f'{json.dumps(function)}, "arguments": ' if function else '"')
 
     def call_text(self, name: str, arguments: dict) -> str:
         call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
@@ -164,7 +164,7 @@ class Llama3Json(ToolCallFormat):
         return len(text) if not text.strip() else super().holds(text)  # (a reply's first character decides)
 
     def forced_prefix(self, function: str | None) -> str:
-        return '{"name": "' + (f'{function}", "parameters": ' if function else "")
+        return '{"name": ' + (f'{json.dumps(function)}, "parameters": ' if function else '"')
 
     def call_text(self, name: str, arguments: dict) -> str:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
@@ -195,7 +195,7 @@ class Mistral(ToolCallFormat):
         return super().holds(text)
 
     def forced_prefix(self, function: str | None) -> str:
-        return '[TOOL_CALLS][{"name": "' + (f'{function}", "arguments": ' if function else "")
+        return '[TOOL_CALLS][{"name": ' + (f'{json.dumps(function)}, "arguments": ' if function else '"')
 
     def call_text(self, name: str, arguments: dict) -> str:
         return "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
