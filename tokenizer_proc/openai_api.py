@@ -25,7 +25,7 @@ from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
 from tokenizer_proc.tool_calls import (TOOL_CALL_FORMATS, ToolCallFormat, ToolCallStream, format_for_template,
-                                       renders_tools, template_messages)
+                                       json_object, renders_tools, template_messages)
 
 MAX_CHOICES = 4096  # prompts x n in one request
 STREAM_BUFFER = 64  # chunks a stream holds for a client that reads slowly; its producers then wait
@@ -506,7 +506,8 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> str:
         if choice == "required" and not tools:
             raise ApiError(400, "'tool_choice' required needs 'tools'", "tool_choice")
         return choice
-    name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
     names = [t["function"]["name"] for t in tools or []]
     if choice.get("type", "function") != "function" or name not in names:
         raise ApiError(400, f"'tool_choice' names a function that is not in 'tools' ({', '.join(names) or 'none'})",
@@ -520,13 +521,9 @@ def _chat_call(c: Any, where: str) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ApiError(400, f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}",
                        where)
-    args = fn.get("arguments") or {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except (ValueError, RecursionError):  # (RecursionError: nested too deeply)
-            raise ApiError(400, f"{where}.function.arguments must be a JSON object", where) from None
-    if not isinstance(args, dict):
+    raw = fn.get("arguments") or {}
+    args = json_object({} if isinstance(raw, str) and not raw.strip() else raw)
+    if args is None:
         raise ApiError(400, f"{where}.function.arguments must be a JSON object", where)
     return {"id": c.get("id"), "name": fn["name"], "arguments": args}
 

@@ -35,21 +35,24 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
+def json_object(value: Any) -> dict | None:
+    """A call's arguments as an object: an object as it is, JSON text of one decoded; else None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):  # (RecursionError: nested too deeply)
+            return None
+    return value if isinstance(value, dict) else None
+
+
 def _call(obj: Any, argument_keys: tuple[str, ...], names: frozenset[str] | None) -> ToolCall | None:
     """A ToolCall from a decoded {"name": ..., <argument key>: {...}} of a function in `names` (None: any), or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     if names is not None and obj["name"] not in names:
         return None
-    args = next((obj[k] for k in argument_keys if k in obj), {})
-    if isinstance(args, str):  # (arguments already as JSON text)
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):  # (RecursionError: nested too deeply)
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    args = json_object(next((obj[k] for k in argument_keys if k in obj), {}))
+    return None if args is None else ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _json_values(text: str, separators: str) -> list[Any] | None:
@@ -71,6 +74,9 @@ def _json_values(text: str, separators: str) -> list[Any] | None:
 class ToolCallFormat:
     name: str
     marker: str  # the text that opens the calls
+    # a call as the model writes one: opening + {"name": ..., arguments_key: {...}} + closing
+    opening = closing = ""
+    arguments_key = "arguments"
 
     def calls_start(self, text: str) -> int | None:
         """Where the calls begin in `text` (None: not, as far as the text goes)."""
@@ -92,11 +98,12 @@ class ToolCallFormat:
 
     def forced_prefix(self, function: str | None) -> str:
         """The start of a reply that makes it a call (of `function`, or of one the model names)."""
-        raise NotImplementedError
+        return self.opening + '{"name": ' + (f'{json.dumps(function)}, "{self.arguments_key}": ' if function else '"')
 
     def call_text(self, name: str, arguments: dict) -> str:
         """A past call as the model writes it (for templates that render no tool calls)."""
-        raise NotImplementedError
+        call = json.dumps({"name": name, self.arguments_key: arguments}, ensure_ascii=False)
+        return self.opening + call + self.closing
 
     def holds(self, text: str) -> int:
         """How many characters at the end of `text` a stream keeps back: they may begin the marker."""
@@ -109,6 +116,7 @@ class ToolCallFormat:
 @TOOL_CALL_FORMATS.register("hermes")
 class Hermes(ToolCallFormat):
     marker = "<tool_call>"
+    opening, closing = "<tool_call>\n", "\n</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, names: frozenset[str] | None = None) -> tuple[str, list[ToolCall]]:
@@ -137,17 +145,12 @@ class Hermes(ToolCallFormat):
         values = _json_values(body, "")
         return _call(values[0], ("arguments", "parameters"), names) if values and len(values) == 1 else None
 
-    def forced_prefix(self, function: str | None) -> str:
-        return '<tool_call>\n{"name": ' + (f'{json.dumps(function)}, "arguments": ' if function else '"')
-
-    def call_text(self, name: str, arguments: dict) -> str:
-        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        return f"<tool_call>\n{call}\n</tool_call>"
 
 
 @TOOL_CALL_FORMATS.register("llama3_json")
 class Llama3Json(ToolCallFormat):
     marker = "<|python_tag|>"
+    arguments_key = "parameters"
 
     def calls_start(self, text: str) -> int | None:
         stripped = text.lstrip()
@@ -163,16 +166,12 @@ class Llama3Json(ToolCallFormat):
     def holds(self, text: str) -> int:
         return len(text) if not text.strip() else super().holds(text)  # (a reply's first character decides)
 
-    def forced_prefix(self, function: str | None) -> str:
-        return '{"name": ' + (f'{json.dumps(function)}, "parameters": ' if function else '"')
-
-    def call_text(self, name: str, arguments: dict) -> str:
-        return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
 
 
 @TOOL_CALL_FORMATS.register("mistral")
 class Mistral(ToolCallFormat):
     marker = "[TOOL_CALLS]"
+    opening, closing = "[TOOL_CALLS][", "]"  # (a list of calls)
 
     def calls_start(self, text: str) -> int | None:
         i = text.find(self.marker)
@@ -194,11 +193,6 @@ class Mistral(ToolCallFormat):
             return len(text)
         return super().holds(text)
 
-    def forced_prefix(self, function: str | None) -> str:
-        return '[TOOL_CALLS][{"name": ' + (f'{json.dumps(function)}, "arguments": ' if function else '"')
-
-    def call_text(self, name: str, arguments: dict) -> str:
-        return "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
 
 
 def format_for_template(chat_template: str | None) -> str:
@@ -234,13 +228,12 @@ class ToolCallStream:
         self.fmt, self.prefix, self.parallel, self.names = fmt, prefix, parallel, names
         self.sent = 0  # characters of content sent
         self.calls_sent = 0
-        self.text = prefix
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """(content to send, calls to send) for the reply's text so far (without the prefix).
         Content is what parse() would give, sent as it becomes certain: trailing whitespace waits
         for what follows it (parse drops it before the calls)."""
-        self.text = full = self.prefix + text
+        full = self.prefix + text
         start = self.fmt.calls_start(full)
         if start is None:
             end = len(full) if final else len(full[:len(full) - self.fmt.holds(full)].rstrip())
