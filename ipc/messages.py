@@ -6,6 +6,8 @@ rejected by msgspec, never executed. Token and slot arrays travel as raw int32 b
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
 
@@ -31,15 +33,45 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # output tokens gathered before they are sent on (the first and the last go at once); None:
     # the server's --stream-interval (a request may raise it, not lower it)
     stream_interval: int | None = None
+    # Structured output (at most one): the output must match a JSON schema (its JSON text), be a
+    # JSON object, match a regular expression or an EBNF grammar, or be one of the choices
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: list[str] = []
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def has_grammar(self) -> bool:
+        return (self.json_schema is not None or self.json_object or self.regex is not None or self.ebnf is not None
+                or bool(self.choice))
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The structured output asked for as (kind, text): ("json_schema", schema), ("json_object",
+        ""), ("regex", pattern) or ("ebnf", grammar), choices as an EBNF grammar of their literals;
+        None when the output is free."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.ebnf is not None:
+            return "ebnf", self.ebnf
+        if self.choice:  # (JSON's string escapes are the grammar's)
+            return "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        return None
+
+    @property
     def uses_token_history(self) -> bool:
-        """Penalties that read the prompt and output tokens so far."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        """Penalties, or a grammar, that read the prompt and output tokens so far."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.has_grammar)
 
 
 class FinishReason(msgspec.Struct, omit_defaults=True):

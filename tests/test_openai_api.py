@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -227,3 +228,44 @@ def test_tools_through_the_sdk(client, model):
         client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=8,
                                        tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert e.value.body["param"] == "tool_choice"
+
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_sdk(client, model):
+    """response_format (json_schema, json_object) and the vLLM / SGLang extras: every reply
+    follows its grammar, streamed or not."""
+    messages = [{"role": "user", "content": "Invent a person."}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0.7, seed=3,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "person", "schema": PERSON_SCHEMA, "strict": True}})
+    person = json.loads(r.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0, stream=True,
+                                            response_format={"type": "json_object"})
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), dict)
+    for extra in ({"guided_choice": ["left", "right"]}, {"structured_outputs": {"choice": ["left", "right"]}}):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Pick a side."}],
+                                           max_tokens=8, temperature=1.0, n=3, extra_body=extra)
+        assert all(c.message.content in ("left", "right") for c in r.choices)
+    r = client.completions.create(model=model, prompt="Call me at", max_tokens=24, temperature=1.0,
+                                  extra_body={"regex": r"\+1 \d{3} \d{3} \d{4}"})
+    assert re.fullmatch(r"\+1 \d{3} \d{3} \d{4}", r.choices[0].text)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": "left"}, "guided_choice"),
+    ({"guided_json": PERSON_SCHEMA, "guided_regex": "a+"}, "guided_json"),
+    ({"structured_outputs": {"grammar": "root ::= b"}}, "structured_outputs.grammar"),
+])
+def test_bad_structured_output_is_a_400_naming_the_field(client, model, extra, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       extra_body=extra)
+    assert e.value.body["param"] == field, e.value.body

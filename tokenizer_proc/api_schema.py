@@ -8,6 +8,9 @@ _STOP = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "stri
 _NUMBER = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer"}}
+_TEXT = {"type": ["string", "null"]}
+_CHOICES = {"type": ["array", "null"], "items": {"type": "string"}}
+_SCHEMA = {"type": ["string", "object", "boolean", "null"]}
 
 SAMPLING_PARAMS = {
     "type": "object",
@@ -19,6 +22,8 @@ SAMPLING_PARAMS = {
         "repetition_penalty": _NUMBER, "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER,
         "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
         "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _INT, "stream_interval": _INT,
+        "json_schema": {"type": ["string", "object", "null"]}, "json_object": {"type": ["boolean", "null"]},
+        "regex": _TEXT, "ebnf": _TEXT, "choice": _CHOICES,
     },
     "additionalProperties": False,
 }
@@ -47,6 +52,17 @@ _OPENAI_SAMPLING = {
     "n": _INT, "best_of": _INT, "stream": {"type": ["boolean", "null"]}, "stream_interval": _INT,
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
     "model": {"type": ["string", "null"]}, "routed_dp_rank": _INT, "user": {"type": ["string", "null"]},
+    # structured output: OpenAI's, vLLM's extras, SGLang's
+    "response_format": {"type": ["object", "null"], "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]}}}}},
+    "guided_json": _SCHEMA, "guided_regex": _TEXT, "guided_choice": _CHOICES, "guided_grammar": _TEXT,
+    "structured_outputs": {"type": ["object", "null"], "properties": {
+        "json": _SCHEMA, "regex": _TEXT, "choice": _CHOICES, "grammar": _TEXT,
+        "json_object": {"type": ["boolean", "null"]}}},
+    "json_schema": _SCHEMA, "regex": _TEXT, "ebnf": _TEXT,
 }
 
 COMPLETION = {

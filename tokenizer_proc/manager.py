@@ -5,6 +5,7 @@ results and streams. Runs on one asyncio loop (the HTTP server's, or the Engine'
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -81,6 +82,8 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         for name in ("stop", "stop_regex"):
             if isinstance(raw.get(name), str):
                 raw[name] = [raw[name]]
+        if isinstance(raw.get("json_schema"), (dict, bool)):  # (the schema itself rather than its JSON text)
+            raw["json_schema"] = json.dumps(raw["json_schema"])
         try:
             sp = msgspec.convert(raw, SamplingParams, strict=False)
         except msgspec.ValidationError as e:
@@ -122,7 +125,8 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
     for ok, message in checks:
         if not ok:
             raise RequestError(f"sampling_params: {message}")
-    bad_text = invalid_text_path({"stop": sp.stop, "stop_regex": sp.stop_regex})  # (the Engine's requests skip HTTP's check)
+    bad_text = invalid_text_path({"stop": sp.stop, "stop_regex": sp.stop_regex, "json_schema": sp.json_schema,
+                                  "regex": sp.regex, "ebnf": sp.ebnf, "choice": sp.choice})  # (the Engine's requests skip HTTP's check)
     if bad_text is not None:
         raise RequestError(f"sampling_params: '{bad_text}' is not valid Unicode text (a lone surrogate)")
     for pattern in sp.stop_regex:
@@ -131,6 +135,12 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         except (regex.error, OverflowError, RecursionError) as e:
             raise RequestError(f"sampling_params: stop_regex {pattern[:80]!r} is not a valid regular expression: "
                                f"{e}") from None
+    if sp.has_grammar:
+        from worker_proc.grammar import check_grammar
+
+        problem = check_grammar(sp)
+        if problem is not None:
+            raise RequestError(f"sampling_params: {problem}")
     return sp
 
 
@@ -266,6 +276,9 @@ class TokenizerManager:
         if self.diffusion and (sp.logprobs or sp.top_logprobs):
             raise RequestError("sampling_params.logprobs: not available with --dllm-algorithm (a diffusion model "
                                "fills a block's positions over several rounds)")
+        if self.diffusion and sp.has_grammar:
+            raise RequestError("sampling_params: structured output (json_schema, regex, ebnf, choice) is not "
+                               "available with --dllm-algorithm (a diffusion model fills a block's positions at once)")
         if sp.max_new_tokens > self.context_len:  # more than any prompt leaves room for (less is cut at the context)
             raise RequestError(f"sampling_params: max_new_tokens={sp.max_new_tokens} exceeds the context length "
                                f"{self.context_len}")

@@ -101,8 +101,58 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
         "repetition_penalty": _field(body, "repetition_penalty", float),
         "logit_bias": logit_bias,
         "stream_interval": _field(body, "stream_interval", int),
+        **_structured_output(body),
     }
     return {k: v for k, v in sampling.items() if v is not None}
+
+
+def _structured_output(body: dict) -> dict:
+    """The sampling fields of the structured output a request asks for: OpenAI's response_format,
+    or the extras vLLM clients send (guided_json, guided_regex, guided_choice, guided_grammar,
+    structured_outputs) and SGLang's (json_schema, regex, ebnf); checked here, so that an error
+    names the field the request used."""
+    asked: dict[str, dict] = {}  # the request's field -> sampling fields
+    fmt = _field(body, "response_format", dict)
+    if fmt is not None and fmt.get("type") not in (None, "text"):
+        spec = fmt.get("json_schema")
+        if fmt["type"] == "json_object" or (fmt["type"] == "json_schema" and isinstance(spec, dict)
+                                            and spec.get("schema") is None):
+            asked["response_format"] = {"json_object": True}
+        elif fmt["type"] == "json_schema" and isinstance(spec, dict) and isinstance(spec["schema"], (dict, bool)):
+            asked["response_format"] = {"json_schema": json.dumps(spec["schema"])}
+        else:
+            raise ApiError(400, "'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                                "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}", "response_format")
+    extras = body.get("structured_outputs")
+    if extras is not None and not isinstance(extras, dict):
+        raise ApiError(400, "'structured_outputs' must be an object (json, regex, choice, grammar or json_object)",
+                       "structured_outputs")
+    sources = [(name, field, body.get(name)) for name, field in (
+        ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+        ("guided_grammar", "ebnf"), ("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf"))]
+    sources += [(f"structured_outputs.{key}", field, (extras or {}).get(key)) for key, field in (
+        ("json", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "ebnf"),
+        ("json_object", "json_object"))]
+    for name, field, value in sources:
+        if value is None or value is False:
+            continue
+        if field == "json_schema" and isinstance(value, (dict, bool)):
+            value = json.dumps(value)
+        kinds = {"choice": list, "json_object": bool}.get(field, str)
+        if not isinstance(value, kinds) or (field == "choice" and not all(isinstance(c, str) for c in value)):
+            want = {"choice": "a list of strings", "json_object": "a boolean"}.get(field, "a string")
+            raise ApiError(400, f"'{name}' must be {want}", name)
+        asked[name] = {field: value}
+    if len(asked) > 1:
+        raise ApiError(400, f"{' and '.join(asked)}: a request takes one kind of structured output", next(iter(asked)))
+    for name, fields in asked.items():
+        from worker_proc.grammar import check_grammar
+
+        problem = check_grammar(SamplingParams(**fields))
+        if problem is not None:
+            raise ApiError(400, f"'{name}': {problem}", name)
+        return fields
+    return {}
 
 
 class OpenAIServing:

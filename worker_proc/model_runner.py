@@ -15,6 +15,7 @@ from worker_proc import cpu_kernels
 from worker_proc.attention import PagedKernelAttention, TorchAttention
 from worker_proc.forward_batch import ForwardBatch, HostStaging
 from worker_proc.future_map import FutureMap
+from worker_proc.grammar import GrammarMasks
 from worker_proc.kv_cache import KVPool, resolve_kv_dtype
 from worker_proc.linear import pack_dense_weights, quantize_linears
 from worker_proc.malloc_policy import keep_freed_memory
@@ -205,6 +206,7 @@ class ModelRunner:
         self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.prompt_tokens = PromptTokenMask(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.futures = FutureMap(rc.max_running_requests)  # sampled ids a later step references
+        self.grammars = GrammarMasks(rc.model_dir, self.config.vocab_size, self.eos_token_ids)
         self.graphs = None
         if self.on_gpu and rc.cuda_graph_max_bs > 0 and self.attention_backend == "triton":
             if tp.size > 1 or pp.size > 1:
@@ -243,6 +245,8 @@ class ModelRunner:
     def _forward(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         fb = ForwardBatch.from_worker_batch(batch)
         self.futures.resolve(fb.input_ids)
+        if self.grammars.active:  # (a record holds its slot's current request only)
+            self.grammars.reset(fb.req_pool_indices[fb.prefix_lens == 0].tolist())
         if batch.prefix_tables:
             self._apply_prefix_tables(batch, fb)
         if batch.track_tokens:
@@ -261,13 +265,18 @@ class ModelRunner:
             return [], []
         pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
                                 self.eos_token_ids)
-        if pb.is_noop and pb.top_logprobs is None and all(p.is_greedy for p in batch.sampling):
+        slots = fb.req_pool_indices[batch.sample_rows]
+        masks = self.grammars.masks(batch.sampling, slots.tolist(), batch.output_lens)
+        if pb.is_noop and masks is None and pb.top_logprobs is None and all(p.is_greedy for p in batch.sampling):
             return self.argmax(model_logits).tolist(), []
         raw = logits = model_logits.float()
         if not pb.is_noop:
-            slots = fb.req_pool_indices[batch.sample_rows]
             logits = pb.apply(raw, self.output_counts.gather(slots) if pb.needs_counts else None,
                               self.prompt_tokens.gather(slots) if pb.needs_prompt_mask else None)
+        if masks is not None:
+            if logits is raw:  # (the raw logits stay as they are, for logprobs)
+                logits = raw.clone()
+            self.grammars.apply(logits, masks)
         sb = SamplingBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, logits.device)
         ids = sample(logits, sb)
         if pb.top_logprobs is None:
@@ -317,6 +326,7 @@ class ModelRunner:
         for table in batch.prefix_tables:
             slots = np.frombuffer(table.slots, dtype=np.int32)
             self.pool.set_prefix(table.req_pool_idx, slots)
+            self.grammars.reset([table.req_pool_idx])
             if table.token_ids:
                 tokens = torch.from_numpy(np.frombuffer(table.token_ids, dtype=np.int32).astype(np.int64))
                 row = [table.req_pool_idx]
@@ -325,6 +335,7 @@ class ModelRunner:
                 n_prompt = prompt_len[table.req_pool_idx]
                 self.prompt_tokens.add(row * min(n_prompt, len(tokens)), tokens[:n_prompt])
                 self.output_counts.add(row * max(len(tokens) - n_prompt, 0), tokens[n_prompt:])
+                self.grammars.record(row * max(len(tokens) - n_prompt, 0), tokens[n_prompt:].tolist())
 
     def _record_tokens(self, fb: ForwardBatch, prompt_lens: list[int]) -> None:
         """Keep each slot's prompt-token mask and output-token counts current from the tokens it is
@@ -340,3 +351,4 @@ class ModelRunner:
         is_output = fb.positions >= prompt_len_of_token
         self.output_counts.add(slot_of_token[is_output], fb.input_ids[is_output])
         self.prompt_tokens.add(slot_of_token[~is_output], fb.input_ids[~is_output])
+        self.grammars.record(slot_of_token[is_output].tolist(), fb.input_ids[is_output].tolist())

@@ -1,0 +1,180 @@
+"""Structured output: grammars that decide which tokens a request may sample next (xgrammar).
+
+A request's SamplingParams may name a grammar (`SamplingParams.grammar`: a JSON schema, any JSON
+object, a regular expression, an EBNF grammar, or a list of choices). The tokenizer process checks
+it with `check_grammar` before the request starts, so a bad one is a 400 naming the field; the
+sampling worker compiles it against the model's vocabulary (`GrammarMasks`, once per grammar text)
+and, every step, masks each token the grammar forbids next before the sampler sees the logits.
+Once the grammar is complete only the end-of-sequence tokens remain, so the request stops there.
+
+A request's matcher follows the output tokens the worker is fed (each the step after it is
+sampled, or again in a re-prefill after a retraction): the record the penalties keep, so it stays
+right across retractions, prefix-cache hits and overlap scheduling with no round trip to the
+scheduler. JSON is generated compact (no free whitespace between tokens: a small model let to
+choose may write whitespace until its tokens run out).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections import OrderedDict
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_GRAMMAR_CHARS = 65536  # of a schema, pattern or grammar
+MAX_CHOICES = 1024
+COMPILED_CACHE = 256  # compiled grammars kept, least recently used dropped first
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def build_grammar(kind: str, text: str):
+    """The xgrammar Grammar of a SamplingParams.grammar (kind, text); raises on a bad one."""
+    import xgrammar as xgr
+
+    if kind == "json_schema":
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    if kind == "json_object":  # any object: properties the schema does not name are allowed
+        return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "ebnf":
+        return xgr.Grammar.from_ebnf(text)
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def check_grammar(params) -> str | None:
+    """Why a request's structured output cannot be used (None: it can, or it asks for none)."""
+    asked = [name for name, value in (("json_schema", params.json_schema), ("json_object", params.json_object),
+                                      ("regex", params.regex), ("ebnf", params.ebnf), ("choice", params.choice))
+             if value not in (None, False, [])]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        return f"{' and '.join(asked)}: a request takes one kind of structured output"
+    name = asked[0]
+    if name == "choice":
+        if len(params.choice) > MAX_CHOICES or not all(params.choice):
+            return f"choice takes 1 to {MAX_CHOICES} non-empty strings"
+    return _grammar_problem(name, *params.grammar)
+
+
+@functools.lru_cache(maxsize=256)  # (the n choices of a request, a client repeating its schema)
+def _grammar_problem(name: str, kind: str, text: str) -> str | None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        return f"{name} has {len(text)} characters; at most {MAX_GRAMMAR_CHARS}"
+    try:
+        build_grammar(kind, text)
+    except Exception as e:  # xgrammar's errors are RuntimeErrors carrying the parser's message
+        message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
+        return f"{name} is not valid: {message[:300]}"
+    return None
+
+
+class GrammarMasks:
+    """The sampling worker's grammars: compiled ones by their text, one matcher per request slot
+    that has sampled under one, and each slot's output tokens since its request started."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler = None
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.outputs: dict[int, list[int]] = {}  # slot -> its request's output tokens fed so far
+        self.matchers: dict[int, list] = {}  # slot -> [matcher, tokens it has accepted, grammar]
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.outputs or self.matchers)
+
+    def reset(self, slots) -> None:
+        """Requests (re)start in `slots`: their records and matchers go."""
+        for slot in slots:
+            self.outputs.pop(slot, None)
+            self.matchers.pop(slot, None)
+
+    def record(self, slots: list[int], tokens: list[int]) -> None:
+        """Output tokens fed this step, in order: tokens[i] to slots[i]."""
+        for slot, token in zip(slots, tokens):
+            self.outputs.setdefault(slot, []).append(token)
+
+    def masks(self, params: list, slots: list[int], output_lens: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The step's token bitmask ([rows, vocab / 32] int32) and the rows it constrains; None
+        when no row has a grammar to follow."""
+        rows = [i for i, p in enumerate(params) if p.has_grammar]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        if self._mask is None or self._mask.shape[0] < len(params):
+            self._mask = xgr.allocate_token_bitmask(max(len(params), 64), self.vocab_size)
+        constrained = []
+        for i in rows:
+            matcher = self._matcher(slots[i], params[i].grammar, output_lens[i])
+            if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(self._mask, i)
+                constrained.append(i)
+        return (self._mask, constrained) if constrained else None
+
+    def apply(self, logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:
+        """-inf, in place, on the tokens each constrained row may not take."""
+        import xgrammar as xgr
+
+        mask, rows = masks
+        xgr.apply_token_bitmask_inplace(logits, mask[: logits.shape[0]], vocab_size=logits.shape[-1], indices=rows)
+
+    def _matcher(self, slot: int, grammar: tuple[str, str], output_len: int):
+        """The slot's matcher, caught up with the output its request has been fed."""
+        import xgrammar as xgr
+
+        outputs = self.outputs.get(slot, [])
+        if len(outputs) != output_len:  # (would be a bug: the record must hold every output token)
+            log.warning("grammar: slot %d has %d output tokens on record, its request %d; left unconstrained",
+                        slot, len(outputs), output_len)
+            return None
+        state = self.matchers.get(slot)
+        if state is None or state[2] != grammar or state[1] > output_len:
+            compiled = self._compile(grammar)
+            if compiled is None:
+                return None
+            state = self.matchers[slot] = [xgr.GrammarMatcher(compiled), 0, grammar]
+        matcher = state[0]
+        for token in outputs[state[1]:]:
+            if not matcher.is_terminated() and not matcher.accept_token(token):
+                log.warning("grammar: slot %d sampled token %d, which its grammar forbids", slot, token)
+        state[1] = len(outputs)
+        return matcher
+
+    def _compile(self, grammar: tuple[str, str]):
+        compiled = self._compiled.get(grammar)
+        if compiled is not None:
+            self._compiled.move_to_end(grammar)
+            return compiled
+        try:
+            compiled = self.compiler.compile_grammar(build_grammar(*grammar))
+        except Exception as e:  # (checked before the request started: not expected)
+            log.error("grammar: %s failed to compile (%s); its request runs unconstrained", grammar[0], e)
+            return None
+        self._compiled[grammar] = compiled
+        if len(self._compiled) > COMPILED_CACHE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    @property
+    def compiler(self):
+        """xgrammar's compiler over the model's vocabulary (loaded at the first grammar)."""
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            log.info("structured output: loading the tokenizer's vocabulary for grammars")
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.eos_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
