@@ -9,6 +9,8 @@ import json
 import random
 
 import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string
 
 from tokenizer_proc.openai_api import ApiError, OpenAIServing
 from tokenizer_proc.tool_calls import (TOOL_CALL_FORMATS, ToolCallStream, format_for_template, renders_tools,
@@ -150,7 +152,7 @@ class ScriptedManager:
     max_prompt_chars = None
 
     def __init__(self, tokenizer, replies: list[str]):
-        self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
+        self.tokenizer, self.replies, self.prompts, self.samplings = tokenizer, list(replies), [], []
 
     def check_vocabulary(self, ids, field):
         return ids
@@ -161,8 +163,9 @@ class ScriptedManager:
     def check_request(self, sampling, **kwargs):
         pass
 
-    def _results(self, ids):
+    def _results(self, ids, sampling):
         self.prompts.append(self.tokenizer.decode(ids))
+        self.samplings.append(sampling)
         text = self.replies.pop(0)
         ends = list(range(4, len(text), 4)) + [len(text)]
         for n in ends:
@@ -171,11 +174,11 @@ class ScriptedManager:
                                  "cached_tokens": 0, "output_token_logprobs": [], "output_top_logprobs": []}}
 
     async def generate(self, input_ids, sampling, stream=False, prefill_group=None, routed_dp_rank=None):
-        for out in self._results(input_ids):
+        for out in self._results(input_ids, sampling):
             yield out
 
     async def generate_final(self, input_ids, sampling, prefill_group=None, routed_dp_rank=None):
-        return list(self._results(input_ids))[-1]
+        return list(self._results(input_ids, sampling))[-1]
 
 
 def _chat(serving: OpenAIServing, body: dict):
@@ -250,12 +253,31 @@ def test_a_required_or_named_call_starts_the_reply_as_one(smollm2_tokenizer, cho
     serving, manager = _serving(smollm2_tokenizer, [continuation, continuation])
     r = _chat(serving, {**BODY, "tool_choice": choice})
     assert manager.prompts[0].endswith(prefix)
+    grammar = xgr.Grammar.from_ebnf(manager.samplings[0]["ebnf"])  # (the reply is held to a call)
+    assert _is_grammar_accept_string(grammar, continuation)
+    assert not _is_grammar_accept_string(grammar, continuation.replace("}}", '}, "extra": 1}'))
     calls = r["choices"][0]["message"]["tool_calls"]
     want = ("get_weather", {"city": "Nice"}) if choice == "required" else ("get_time", {})
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [want]
     chunks = _chat(serving, {**BODY, "tool_choice": choice, "stream": True})
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
     assert [tc["function"]["name"] for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []] == [want[0]]
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_CALL_FORMATS.names()))
+@pytest.mark.parametrize("function", ["get_weather", None])
+def test_the_call_grammar_takes_a_call_after_its_forced_start(fmt, function):
+    fmt = TOOL_CALL_FORMATS.make(fmt)
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    grammar = xgr.Grammar.from_ebnf(fmt.call_grammar([strict_weather, TIME], function))
+    forced = fmt.forced_prefix(function)
+    for name, args, ok in [("get_weather", {"city": "Nice"}, True), ("get_time", {}, function is None),
+                           ("get_weather", {"city": 3}, False), ("get_weather", {"town": "Nice"}, False),
+                           ("get_time", {"any": [1, "two"]}, function is None), ("nope", {}, False)]:
+        text = fmt.call_text(name, args)
+        assert _is_grammar_accept_string(grammar, text[len(forced):]) == (ok and text.startswith(forced)), text
+    with pytest.raises(ValueError, match=r"tools\[0\].function.parameters"):
+        fmt.call_grammar([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "f")
 
 
 def test_a_template_that_renders_tools_gets_them(smollm2_tokenizer):

@@ -5,8 +5,9 @@ as a string or a list of parts) plus the extras vLLM / SGLang clients send (top_
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, regex stops);
 fields with no effect here (user, routing fields) are ignored. A wrong value is a 400 that names
 the field. Chat requests with `tools` get function calling (tool_calls.py): the tools in the prompt,
-the calls parsed out of the reply (tool_choice auto), or a reply started as a call (required, or a
-named function)."""
+the calls parsed out of the reply (tool_choice auto), or a reply started as a call and held to its
+grammar (required, or a named function). Structured output (response_format and the extras) goes
+to the worker as a grammar in the sampling parameters (worker_proc/grammar.py)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,9 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
         **_structured_output(body),
     }
     return {k: v for k, v in sampling.items() if v is not None}
+
+
+STRUCTURED = ("json_schema", "json_object", "regex", "ebnf", "choice")  # the sampling fields of structured output
 
 
 def _structured_output(body: dict) -> dict:
@@ -280,7 +284,7 @@ class OpenAIServing:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if want:
             sampling.update(logprobs=True, top_logprobs=top)
-        prompt, calls = self._chat_prompt(body)
+        prompt, calls = self._chat_prompt(body, sampling)
         ids = self.manager.check_vocabulary(self.manager.tokenizer.encode(prompt, add_special_tokens=False), "messages")
         if len(ids) >= self.context_len:
             raise ApiError(400, f"messages: the prompt has {len(ids)} tokens; the context length is "
@@ -301,9 +305,10 @@ class OpenAIServing:
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs))}
 
-    def _chat_prompt(self, body: dict) -> tuple[str, tuple | None]:
+    def _chat_prompt(self, body: dict, sampling: dict) -> tuple[str, tuple | None]:
         """The chat request's prompt text, and (format, forced reply start, parallel, function
-        names) where tool calls are to be parsed out of the reply (None: not)."""
+        names) where tool calls are to be parsed out of the reply (None: not). A reply that must
+        be a call gets the call's grammar in `sampling` (unless the request asks for another)."""
         tools = _tools(body)
         tool_choice = _tool_choice(body, tools)
         parallel = _field(body, "parallel_tool_calls", bool, True)
@@ -332,6 +337,11 @@ class OpenAIServing:
         forced = fmt.forced_prefix(None if tool_choice == "required" else tool_choice) \
             if tools and tool_choice not in ("auto", "none") else ""
         prompt += forced
+        if forced and not any(name in sampling for name in STRUCTURED):
+            try:
+                sampling["ebnf"] = fmt.call_grammar(tools, None if tool_choice == "required" else tool_choice)
+            except ValueError as e:
+                raise ApiError(400, str(e), "tools") from None
         calls = (fmt, forced, parallel, names) if tools and tool_choice != "none" else None
         return prompt, calls
 

@@ -100,6 +100,32 @@ class ToolCallFormat:
         """The start of a reply that makes it a call (of `function`, or of one the model names)."""
         return self.opening + '{"name": ' + (f'{json.dumps(function)}, "{self.arguments_key}": ' if function else '"')
 
+    def call_grammar(self, tools: list[dict], function: str | None) -> str:
+        """An EBNF grammar (structured output) of the rest of a reply that forced_prefix(function)
+        began: one call of `function` (None: of any tool, the model writing the name), its
+        arguments an object of the function's parameters schema, then the call's end. Raises
+        ValueError naming the tool whose parameters are not a schema xgrammar takes."""
+        import xgrammar as xgr
+
+        def literal(text: str):
+            return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
+        calls = []
+        for i, tool in enumerate(tools):
+            fn = tool["function"]
+            if function is not None and fn["name"] != function:
+                continue
+            try:  # (properties the schema does not name are allowed unless the function is strict)
+                arguments = xgr.Grammar.from_json_schema(json.dumps(fn.get("parameters") or {"type": "object"}),
+                                                         any_whitespace=False, strict_mode=bool(fn.get("strict")))
+            except RuntimeError as e:
+                raise ValueError(f"tools[{i}].function.parameters: not a JSON schema that constrains output "
+                                 f"({str(e).strip().splitlines()[-1][:200]})") from None
+            name = [] if function else [literal(json.dumps(fn["name"], ensure_ascii=False)[1:]
+                                                + f', "{self.arguments_key}": ')]
+            calls.append(xgr.Grammar.concat(*name, arguments, literal("}" + self.closing)))
+        return str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
+
     def call_text(self, name: str, arguments: dict) -> str:
         """A past call as the model writes it (for templates that render no tool calls)."""
         call = json.dumps({"name": name, self.arguments_key: arguments}, ensure_ascii=False)
