@@ -103,7 +103,7 @@ class GrammarMasks:
         for slot, token in zip(slots, tokens):
             self.outputs.setdefault(slot, []).append(token)
 
-    def masks(self, params: list, slots: list[int], output_lens: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+    def masks(self, params: list, slots, output_lens: list[int]) -> tuple[torch.Tensor, list[int]] | None:
         """The step's token bitmask ([rows, vocab / 32] int32) and the rows it constrains; None
         when no row has a grammar to follow."""
         rows = [i for i, p in enumerate(params) if p.has_grammar]
@@ -115,7 +115,7 @@ class GrammarMasks:
             self._mask = xgr.allocate_token_bitmask(max(len(params), 64), self.vocab_size)
         constrained = []
         for i in rows:
-            matcher = self._matcher(slots[i], params[i].grammar, output_lens[i])
+            matcher = self._matcher(int(slots[i]), params[i].grammar, output_lens[i])
             if matcher is not None and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(self._mask, i)
                 constrained.append(i)

@@ -266,7 +266,7 @@ class ModelRunner:
         pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
                                 self.eos_token_ids)
         slots = fb.req_pool_indices[batch.sample_rows]
-        masks = self.grammars.masks(batch.sampling, slots.tolist(), batch.output_lens)
+        masks = self.grammars.masks(batch.sampling, slots, batch.output_lens)
         if pb.is_noop and masks is None and pb.top_logprobs is None and all(p.is_greedy for p in batch.sampling):
             return self.argmax(model_logits).tolist(), []
         raw = logits = model_logits.float()
