@@ -49,6 +49,20 @@ def test_bad_grammars_are_refused_with_the_field_named(fields, message):
         parse_sampling_params(fields)
 
 
+def test_json_strings_take_no_control_characters():
+    """xgrammar's length-bounded strings let a tab through, which json.loads refuses; loom's
+    grammar of a schema keeps JSON's string characters."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from worker_proc.grammar import build_grammar
+
+    for schema in ({"type": "string", "maxLength": 8}, {"type": "string"}, PERSON):
+        grammar = build_grammar("json_schema", json.dumps(schema))
+        good = '"ab c"' if schema.get("type") == "string" else '{"name": "ab c", "age": 3}'
+        assert _is_grammar_accept_string(grammar, good)
+        assert not _is_grammar_accept_string(grammar, good.replace("ab c", "ab\tc"))
+
+
 def test_a_schema_may_come_as_an_object():
     sp = parse_sampling_params({"json_schema": PERSON})
     assert json.loads(sp.json_schema) == PERSON

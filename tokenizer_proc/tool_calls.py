@@ -107,6 +107,8 @@ class ToolCallFormat:
         ValueError naming the tool whose parameters are not a schema xgrammar takes."""
         import xgrammar as xgr
 
+        from worker_proc.grammar import json_schema_grammar
+
         def literal(text: str):
             return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
@@ -116,8 +118,8 @@ class ToolCallFormat:
             if function is not None and fn["name"] != function:
                 continue
             try:  # (properties the schema does not name are allowed unless the function is strict)
-                arguments = xgr.Grammar.from_json_schema(json.dumps(fn.get("parameters") or {"type": "object"}),
-                                                         any_whitespace=False, strict_mode=bool(fn.get("strict")))
+                arguments = json_schema_grammar(json.dumps(fn.get("parameters") or {"type": "object"}),
+                                                strict=bool(fn.get("strict")))
             except RuntimeError as e:
                 raise ValueError(f"tools[{i}].function.parameters: not a JSON schema that constrains output "
                                  f"({str(e).strip().splitlines()[-1][:200]})") from None

@@ -21,6 +21,7 @@ import logging
 import re
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -31,14 +32,32 @@ COMPILED_CACHE = 256  # compiled grammars kept, least recently used dropped firs
 _ANY_OBJECT = '{"type": "object"}'
 
 
+# xgrammar writes the characters of a length-bounded JSON string as this class, which lets control
+# characters through (a tab in a string: JSON that json.loads refuses); JSON's own class instead
+_LOOSE_STRING_CHARACTER = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_schema_grammar(schema: str, strict: bool = True):
+    """The xgrammar Grammar of a JSON schema's text: compact JSON, and with `strict` no properties
+    or items the schema does not name."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    text = str(grammar)
+    if _LOOSE_STRING_CHARACTER not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER))
+
+
 def build_grammar(kind: str, text: str):
     """The xgrammar Grammar of a SamplingParams.grammar (kind, text); raises on a bad one."""
     import xgrammar as xgr
 
     if kind == "json_schema":
-        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        return json_schema_grammar(text)
     if kind == "json_object":  # any object: properties the schema does not name are allowed
-        return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+        return json_schema_grammar(_ANY_OBJECT, strict=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(text)
     if kind == "ebnf":
@@ -121,12 +140,19 @@ class GrammarMasks:
                 constrained.append(i)
         return (self._mask, constrained) if constrained else None
 
-    def apply(self, logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:
-        """-inf, in place, on the tokens each constrained row may not take."""
-        import xgrammar as xgr
-
+    @staticmethod
+    def apply(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:
+        """-inf, in place, on the tokens each constrained row may not take. (The bits unpacked by
+        numpy and one masked fill: 4 ms for 64 rows where xgrammar's CPU path took 21.)"""
         mask, rows = masks
-        xgr.apply_token_bitmask_inplace(logits, mask[: logits.shape[0]], vocab_size=logits.shape[-1], indices=rows)
+        every = len(rows) == logits.shape[0]
+        bits = (mask[: len(rows)] if every else mask[rows]).numpy().view(np.uint8)
+        allowed = np.unpackbits(bits, axis=1, bitorder="little")[:, : logits.shape[-1]]
+        forbidden = torch.from_numpy(allowed).view(torch.bool).logical_not_()
+        if every:
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
 
     def _matcher(self, slot: int, grammar: tuple[str, str], output_len: int):
         """The slot's matcher, caught up with the output its request has been fed."""

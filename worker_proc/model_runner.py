@@ -274,7 +274,7 @@ class ModelRunner:
             logits = pb.apply(raw, self.output_counts.gather(slots) if pb.needs_counts else None,
                               self.prompt_tokens.gather(slots) if pb.needs_prompt_mask else None)
         if masks is not None:
-            if logits is raw:  # (the raw logits stay as they are, for logprobs)
+            if logits is raw and pb.top_logprobs is not None:  # (the raw logits stay as they are, for logprobs)
                 logits = raw.clone()
             self.grammars.apply(logits, masks)
         sb = SamplingBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, logits.device)
