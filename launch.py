@@ -753,7 +753,8 @@ def serve(args: ServerArgs) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server_modules = ("uvicorn", "uvloop", "tokenizer_proc.http_server", "tokenizer_proc.zmq_frontend")
+    # (xgrammar: the first structured-output request would otherwise import it in the event loop)
+    server_modules = ("uvicorn", "uvloop", "tokenizer_proc.http_server", "tokenizer_proc.zmq_frontend", "xgrammar")
     model_dir, tokenizer, launcher, info = _prepare(args, preload=server_modules)
     import uvicorn  # (imported while the processes started)
     import uvloop
