@@ -271,3 +271,27 @@ def test_bad_structured_output_is_a_400_naming_the_field(client, model, extra, f
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        extra_body=extra)
     assert e.value.body["param"] == field, e.value.body
+
+
+def test_tokenize_and_detokenize(server, client, model, smollm2_tokenizer):
+    """vLLM's /tokenize (a prompt, or chat messages as the chat route renders them) and
+    /detokenize."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        r = http.post("/tokenize", json={"model": model, "prompt": "The capital of France", "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        ids = smollm2_tokenizer.encode("The capital of France")
+        assert r.json()["tokens"] == ids and r.json()["count"] == len(ids) and r.json()["max_model_len"] > 0
+        assert "".join(r.json()["token_strs"]).replace("Ġ", " ") == "The capital of France"
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+        assert http.post("/tokenize", json={"messages": messages}).json()["count"] == chat.usage.prompt_tokens
+        fewer = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["count"]
+        assert fewer < chat.usage.prompt_tokens
+        r = http.post("/detokenize", json={"model": model, "tokens": ids})
+        assert r.json() == {"prompt": "The capital of France", "text": "The capital of France"}
+        for route, body, field in (("/detokenize", {"tokens": [1, -5]}, "tokens"), ("/detokenize", {}, "tokens"),
+                                   ("/tokenize", {"prompt": 7}, "prompt"), ("/tokenize", {}, "prompt")):
+            r = http.post(route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404

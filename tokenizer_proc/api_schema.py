@@ -104,8 +104,26 @@ CHAT_COMPLETION = {
                                       "type": {"type": "string", "enum": ["function"]},
                                       "function": {"type": "object", "required": ["name"],
                                                    "properties": {"name": {"type": "string"}}}}}]},
-        "parallel_tool_calls": {"type": ["boolean", "null"]}, **_OPENAI_SAMPLING,
+        "parallel_tool_calls": {"type": ["boolean", "null"]}, "add_generation_prompt": {"type": ["boolean", "null"]},
+        **_OPENAI_SAMPLING,
     },
+}
+
+TOKENIZE = {
+    "type": "object",
+    "properties": {
+        "prompt": {"type": "string"}, "messages": CHAT_COMPLETION["properties"]["messages"],
+        "tools": CHAT_COMPLETION["properties"]["tools"], "add_generation_prompt": {"type": ["boolean", "null"]},
+        "add_special_tokens": {"type": ["boolean", "null"]}, "return_token_strs": {"type": ["boolean", "null"]},
+        "model": {"type": ["string", "null"]},
+    },
+}
+
+DETOKENIZE = {
+    "type": "object",
+    "required": ["tokens"],
+    "properties": {"tokens": _TOKEN_IDS, "skip_special_tokens": {"type": ["boolean", "null"]},
+                   "model": {"type": ["string", "null"]}},
 }
 
 ABORT = {"type": "object", "properties": {"rid": {"type": "string"}, "abort_all": {"type": "boolean"}}}

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's
+/tokenize and /detokenize.
 
 Requests are read leniently, as the OpenAI spec allows (null for any optional field, chat content
 as a string or a list of parts) plus the extras vLLM / SGLang clients send (top_k, min_p,
@@ -22,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ipc.messages import SamplingParams
-from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, request_body
+from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, DETOKENIZE, TOKENIZE, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
 from tokenizer_proc.tool_calls import (TOOL_CALL_FORMATS, ToolCallFormat, ToolCallStream, format_for_template,
@@ -325,7 +326,8 @@ class OpenAIServing:
         with_tools = renders_tools(template)
         try:
             prompt = self.manager.tokenizer.apply_chat_template(
-                template_messages(conversation, tools, fmt, with_tools), add_generation_prompt=True, tokenize=False,
+                template_messages(conversation, tools, fmt, with_tools), tokenize=False,
+                add_generation_prompt=_field(body, "add_generation_prompt", bool, True),
                 **({"tools": tools} if tools and with_tools else {}))
         except Exception as e:  # a template that rejects the roles or order
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
@@ -344,6 +346,41 @@ class OpenAIServing:
                 raise ApiError(400, str(e), "tools") from None
         calls = (fmt, forced, parallel, names) if tools and tool_choice != "none" else None
         return prompt, calls
+
+    # ---- tokenize / detokenize -----------------------------------------------------------
+
+    async def tokenize(self, body: dict) -> dict:
+        """Token ids of a prompt, or of chat messages as the chat route renders them (vLLM's
+        /tokenize: count, max_model_len, tokens, and token_strs where asked)."""
+        self.check_model(body)
+        special = _field(body, "add_special_tokens", bool)
+        if body.get("messages") is not None:
+            prompt, _ = self._chat_prompt(body, {})
+            ids = self.manager.tokenizer.encode(prompt, add_special_tokens=bool(special))
+        else:
+            prompt = _field(body, "prompt", str)
+            if prompt is None:
+                raise ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt")
+            try:
+                ids = (self.manager.tokenize(prompt, None, "prompt") if special in (None, True)
+                       else self.manager.tokenizer.encode(prompt, add_special_tokens=False))
+            except RequestError as e:
+                raise ApiError(400, str(e), "prompt") from None
+        out = {"count": len(ids), "max_model_len": self.context_len, "tokens": ids}
+        if _field(body, "return_token_strs", bool, False):
+            out["token_strs"] = self.manager.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    async def detokenize(self, body: dict) -> dict:
+        """The text of token ids (vLLM's /detokenize answers `prompt`, SGLang's `text`: both)."""
+        self.check_model(body)
+        tokens = _field(body, "tokens", list)
+        vocab = self.manager.vocab_size
+        if tokens is None or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise ApiError(400, f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
+        text = self.manager.tokenizer.decode(tokens, skip_special_tokens=_field(body, "skip_special_tokens", bool,
+                                                                                False))
+        return {"prompt": text, "text": text}
 
     # ---- logprobs -----------------------------------------------------------------------
 
@@ -643,5 +680,13 @@ def build_router(serving: OpenAIServing) -> APIRouter:
     @router.post("/v1/chat/completions", openapi_extra=request_body(CHAT_COMPLETION))
     async def chat_completions(request: Request):
         return await handle(request, serving.chat)
+
+    @router.post("/tokenize", openapi_extra=request_body(TOKENIZE))
+    async def tokenize(request: Request):
+        return await handle(request, serving.tokenize)
+
+    @router.post("/detokenize", openapi_extra=request_body(DETOKENIZE))
+    async def detokenize(request: Request):
+        return await handle(request, serving.detokenize)
 
     return router
