@@ -30,6 +30,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     logprobs: bool = False  # return each output token's logprob (of the raw model distribution)
     top_logprobs: int = 0  # and this many most likely alternatives per position
+    # the logprob of each prompt token after the first (given the tokens before it) and this many
+    # most likely alternatives at each position; None: not computed
+    prompt_logprobs: int | None = None
     # output tokens gathered before they are sent on (the first and the last go at once); None:
     # the server's --stream-interval (a request may raise it, not lower it)
     stream_interval: int | None = None
@@ -164,6 +167,12 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     # tensor parallelism under overlap: rank 0 shares the sampled ids so every rank's map has them
     share_samples: bool = False
     dllm: DllmStep | None = None  # a step of diffusion rounds instead of one sampled token per row
+    # rows whose every prompt position's logprobs are asked (SamplingParams.prompt_logprobs), with
+    # the prompt token that follows each one's chunk (-1: the chunk ends the prompt) and the
+    # number of alternatives
+    prompt_logprob_rows: list[int] = []
+    prompt_logprob_next: list[int] = []
+    prompt_logprob_top: list[int] = []
 
 
 class JointThresholdState(msgspec.Struct, tag="joint_threshold", array_like=True):
@@ -238,6 +247,8 @@ class BatchResult(msgspec.Struct, tag=True):
     collective_s: float = 0.0  # of forward_s, rank 0's time in tensor-parallel collectives
     gap_s: float = 0.0  # the worker's wait between the end of its previous forward and this one
     dllm: "DllmResult | None" = None  # the rounds' outcome, for a DllmStep
+    # per prompt_logprob_rows entry: the logprobs of the prompt tokens after its chunk's positions
+    prompt_logprobs: list[list[TokenLogprobs]] = []
 
 
 class DllmResult(msgspec.Struct, array_like=True):
@@ -273,6 +284,7 @@ class TokenDelta(msgspec.Struct, omit_defaults=True):
     retractions: int = 0
     logprobs: list[TokenLogprobs] = []  # one per new id when the request asked
     cached_tokens: int = 0  # prompt tokens it did not compute (shared from another request)
+    prompt_logprobs: list[TokenLogprobs] = []  # (once, with the first output) of prompt tokens 2..n
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -289,6 +301,7 @@ class TextDelta(msgspec.Struct, omit_defaults=True):
     retractions: int = 0
     logprobs: list[TokenLogprobs] = []
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class BatchTextOut(msgspec.Struct, tag=True):

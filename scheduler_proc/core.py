@@ -240,13 +240,20 @@ class SchedulerCore:
         return None
 
     def on_result(self, batch: ScheduleBatch, next_token_ids: Iterable[int],
-                  logprobs: list | None = None) -> list[ReqOutput]:
+                  logprobs: list | None = None, prompt_logprobs: list | None = None) -> list[ReqOutput]:
         """Apply a step's sampled tokens (one per sampling row, in row order) and, for requests
-        that asked, their logprobs (opaque to the core; kept aligned with output_ids)."""
+        that asked, their logprobs (opaque to the core; kept aligned with output_ids) and the
+        prompt logprobs of batch.prompt_logprob_rows (a list per row, from its first position)."""
         outputs: list[ReqOutput] = []
         if self.config.pipeline_stages > 1:
             for row in batch.rows:
                 row.req.in_flight = False
+        for i, entries in zip(batch.prompt_logprob_rows, prompt_logprobs or ()):
+            row = batch.rows[i]
+            table = row.req.prompt_logprobs
+            for position, entry in enumerate(entries, row.prefix_len):
+                row.req.prompt_logprobs_missing -= table[position] is None
+                table[position] = entry
         tokens = iter(next_token_ids)
         lps = iter(logprobs or ())
         for row in batch.rows:
@@ -399,7 +406,8 @@ class SchedulerCore:
         At least its last token stays to compute: its logits are sampled."""
         hit = self._matches.get(id(req))
         if hit is None:
-            tokens = self._resolved(req, req.num_fill - 1)
+            # (prompt logprobs need the logits of every prompt position: none is taken from the cache)
+            tokens = self._resolved(req, 0 if req.prompt_logprobs_missing else req.num_fill - 1)
             hit = self._matches[id(req)] = self.cache.match_prefix(tokens)
         return hit
 

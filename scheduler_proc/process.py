@@ -187,7 +187,8 @@ class SchedulerProcess:
                 completion_tokens=r.sent_ids, finish=r.finish if o.finished else None, stop=r.sampling.stop,
                 skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions,
                 logprobs=r.output_logprobs[first:r.sent_ids] if r.sampling.logprobs else [],
-                cached_tokens=r.cached_tokens))
+                cached_tokens=r.cached_tokens,
+                prompt_logprobs=r.prompt_logprobs if first == 0 and r.sampling.prompt_logprobs is not None else []))
         if items:
             self.detokenizer.send(BatchTokenOut(items))
 
@@ -258,7 +259,7 @@ class SchedulerProcess:
         if result.dllm is not None:
             self.emit(self.core.on_dllm_result(batch, result.dllm))
         else:
-            self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs))
+            self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs, result.prompt_logprobs))
         self.step_log.on_applied(batch, self.clock(), after_idle, result.forward_s)
 
     def idle_wait(self) -> None:

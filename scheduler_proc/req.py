@@ -38,6 +38,10 @@ class Req:
     sent_ids: int = 0  # output ids the core has handed out (ReqOutput.new_ids)
     streamed_ids: int = 0  # of those, sent on to the detokenizer (a stream interval holds some back)
     output_logprobs: list = field(default_factory=list)  # per output id, when the request asked
+    # with sampling.prompt_logprobs: entry p (opaque here) is prompt token p + 1's, None until a
+    # step computed it; the prefix cache is not matched while any is missing
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_missing: int = 0
     # Requests of one prefill group (the n choices of a prompt) wait while another of the group
     # computes the prompt, then take it from the prefix cache.
     prefill_group: str | None = None
@@ -52,6 +56,11 @@ class Req:
     dllm_incomplete_ids: list[int] | None = None
     dllm_algo_state: DllmAlgoState | None = None
     dllm_kv_valid: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs_missing = max(len(self.input_ids) - 1, 0)
+            self.prompt_logprobs = [None] * self.prompt_logprobs_missing
 
     def fill_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole list."""

@@ -39,6 +39,7 @@ class ScheduleBatch:
     dllm_block_size: int = 0
     dllm_fdfo: bool = True
     dllm_reloop: bool = True
+    prompt_logprob_rows: list[int] = field(default_factory=list)  # (set by to_worker_batch)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +60,12 @@ class ScheduleBatch:
         slots = np.concatenate([r.new_slots for r in rows]) if rows else np.empty(0, np.int32)
         sampling_rows = [(i, r) for i, r in enumerate(rows) if r.samples]
         track = any(r.req.sampling.uses_token_history for r in rows)
+        # prompt chunks of requests whose prompt logprobs are not all in (a chunk computed again
+        # after a retraction overwrites what it had)
+        self.prompt_logprob_rows = [i for i, r in enumerate(rows) if r.req.prompt_logprobs_missing
+                                    and r.prefix_len < len(r.req.input_ids) - 1
+                                    and r.prefix_len + r.extend_len <= len(r.req.input_ids)]
+        asked = [rows[i] for i in self.prompt_logprob_rows]
         return ModelWorkerBatch(
             step=self.step,
             input_ids=np.asarray(input_ids, dtype=np.int32).tobytes(),
@@ -77,6 +84,10 @@ class ScheduleBatch:
                                        if r.req.sampling.uses_token_history else b"")
                            for r in rows if r.prefix_table is not None],
             track_tokens=track,
+            prompt_logprob_rows=self.prompt_logprob_rows,
+            prompt_logprob_next=[r.req.input_ids[r.prefix_len + r.extend_len]
+                                 if r.prefix_len + r.extend_len < len(r.req.input_ids) else -1 for r in asked],
+            prompt_logprob_top=[r.req.sampling.prompt_logprobs for r in asked],
             dllm=DllmStep(self.dllm_block_size, self.dllm_fdfo, self.dllm_reloop,
                           [r.req.dllm_algo_state for r in rows]) if self.dllm_block_size else None,
         )

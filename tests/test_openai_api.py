@@ -295,3 +295,32 @@ def test_tokenize_and_detokenize(server, client, model, smollm2_tokenizer):
             r = http.post(route, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_prompt_logprobs_for_loglikelihood(client, model, server, hf_smollm2, smollm2_tokenizer):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) and vLLM's prompt_logprobs:
+    the prompt tokens' logprobs, as HF's log_softmax gives them (the server here runs bfloat16 or
+    float32 as the CPU's probe chose: a loose tolerance)."""
+    import torch
+
+    prompt = "The capital of France is Paris"
+    ids = smollm2_tokenizer.encode(prompt)
+    with torch.no_grad():
+        want = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), -1)[:-1]
+    want = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and r.choices[0].finish_reason == "length"
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) and "".join(lp.tokens) == prompt
+    assert all(abs(a - b) < 0.25 for a, b in zip(lp.token_logprobs[1:], want)), (lp.token_logprobs, want)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:]) and lp.top_logprobs[0] is None
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    entries = r.model_extra["choices"][0]["prompt_logprobs"] if "choices" in r.model_extra else \
+        r.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for entry, tid, lp in zip(entries[1:], ids[1:], lp.token_logprobs[1:]):
+        assert abs(entry[str(tid)]["logprob"] - lp) < 1e-3 and 2 <= len(entry) <= 3
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1, stream=True)
+    assert e.value.body["param"] == "stream"

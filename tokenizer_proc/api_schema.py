@@ -23,7 +23,7 @@ SAMPLING_PARAMS = {
         "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
         "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _INT, "stream_interval": _INT,
         "json_schema": {"type": ["string", "object", "null"]}, "json_object": {"type": ["boolean", "null"]},
-        "regex": _TEXT, "ebnf": _TEXT, "choice": _CHOICES,
+        "regex": _TEXT, "ebnf": _TEXT, "choice": _CHOICES, "prompt_logprobs": _INT,
     },
     "additionalProperties": False,
 }
@@ -62,7 +62,7 @@ _OPENAI_SAMPLING = {
     "structured_outputs": {"type": ["object", "null"], "properties": {
         "json": _SCHEMA, "regex": _TEXT, "choice": _CHOICES, "grammar": _TEXT,
         "json_object": {"type": ["boolean", "null"]}}},
-    "json_schema": _SCHEMA, "regex": _TEXT, "ebnf": _TEXT,
+    "json_schema": _SCHEMA, "regex": _TEXT, "ebnf": _TEXT, "prompt_logprobs": _INT,
 }
 
 COMPLETION = {

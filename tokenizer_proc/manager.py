@@ -50,6 +50,9 @@ class ReqState:
     retractions: int = 0
     cached_tokens: int = 0  # prompt tokens shared from another request's prefill
     logprobs: list = field(default_factory=list)  # TokenLogprobs per output id, when asked
+    prompt_ids: list[int] | None = None  # with prompt_logprobs
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt token after the first
+    no_output: bool = False  # max_new_tokens 0 with prompt logprobs: the prompt runs, its one token is dropped
     event: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -89,7 +92,8 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         except msgspec.ValidationError as e:
             raise RequestError(f"sampling_params: {e}") from None
     # (the scheduler's messages carry 64-bit integers: a larger one would fail there, not here)
-    for name in ("max_new_tokens", "min_new_tokens", "top_k", "seed", "top_logprobs", "stream_interval"):
+    for name in ("max_new_tokens", "min_new_tokens", "top_k", "seed", "top_logprobs", "stream_interval",
+                 "prompt_logprobs"):
         value = getattr(sp, name)
         if value is not None and not INT64[0] <= value <= INT64[1]:
             raise RequestError(f"sampling_params: {name} must be a 64-bit integer, got {str(value)[:40]}")
@@ -120,6 +124,8 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
          f"stop_regex patterns are at most {MAX_STOP_CHARS} characters"),
         (len(sp.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
         (0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+        (sp.prompt_logprobs is None or 0 <= sp.prompt_logprobs <= MAX_TOP_LOGPROBS,
+         f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
         (sp.stream_interval is None or sp.stream_interval >= 1, "stream_interval must be >= 1"),
     ]
     for ok, message in checks:
@@ -273,7 +279,7 @@ class TokenizerManager:
         bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"sampling_params: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if self.diffusion and (sp.logprobs or sp.top_logprobs):
+        if self.diffusion and (sp.logprobs or sp.top_logprobs or sp.prompt_logprobs is not None):
             raise RequestError("sampling_params.logprobs: not available with --dllm-algorithm (a diffusion model "
                                "fills a block's positions over several rounds)")
         if self.diffusion and sp.has_grammar:
@@ -312,6 +318,10 @@ class TokenizerManager:
         if rid in self.states:
             raise RequestError(f"request id {rid!r} is already in use")
         state = ReqState(rid, len(ids), time.perf_counter())
+        if sp.prompt_logprobs is not None:
+            state.prompt_ids = ids
+            if sp.max_new_tokens == 0:  # (the prompt's logits are computed by a step that samples)
+                state.no_output, sp = True, msgspec.structs.replace(sp, max_new_tokens=1, min_new_tokens=0)
         if sp.max_new_tokens == 0:
             state.finish = FinishReason("length")
             yield self._result(state)
@@ -426,6 +436,11 @@ class TokenizerManager:
                 # as SGLang: (logprob, token id) per output token, and the top alternatives
                 "output_token_logprobs": [(lp.logprob, tid) for lp, tid in zip(state.logprobs, state.output_ids)],
                 "output_top_logprobs": [[(v, t) for t, v in lp.top] for lp in state.logprobs],
+                # with prompt_logprobs: the same per prompt token (the first has none: None)
+                **({"input_token_logprobs": [(None, state.prompt_ids[0])] + [
+                        (lp.logprob, tid) for lp, tid in zip(state.prompt_logprobs, state.prompt_ids[1:])],
+                    "input_top_logprobs": [None] + [[(v, t) for t, v in lp.top] for lp in state.prompt_logprobs]}
+                   if state.prompt_ids is not None else {}),
             },
         }
 
@@ -456,12 +471,15 @@ class TokenizerManager:
                 if d.new_ids:
                     state.first_token_at = state.first_token_at or now
                     state.last_token_at = now
-                state.text += d.text
-                state.output_ids.extend(d.new_ids)
-                state.logprobs.extend(d.logprobs)
+                if d.prompt_logprobs:
+                    state.prompt_logprobs = d.prompt_logprobs
+                if not state.no_output:
+                    state.text += d.text
+                    state.output_ids.extend(d.new_ids)
+                    state.logprobs.extend(d.logprobs)
                 state.retractions = d.retractions
                 state.cached_tokens = d.cached_tokens
                 if d.finish is not None:
-                    state.finish = d.finish
+                    state.finish = FinishReason("length") if state.no_output else d.finish
                     self.metrics.on_finish(now, state.created, state.prompt_tokens, d.finish.type, d.cached_tokens)
                 state.event.set()

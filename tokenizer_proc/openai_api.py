@@ -220,9 +220,14 @@ class OpenAIServing:
         if top is not None:
             if not 0 <= top <= 20:
                 raise ApiError(400, "'logprobs' must be between 0 and 20", "logprobs")
-            if echo:
-                raise ApiError(400, "logprobs of the prompt (echo with logprobs) are not supported", "logprobs")
             sampling.update(logprobs=True, top_logprobs=top)
+            if echo:  # the prompt's tokens get theirs too (lm-eval's loglikelihood requests)
+                if stream:
+                    raise ApiError(400, "echo with logprobs is answered whole: not with stream", "stream")
+                sampling["prompt_logprobs"] = top
+        prompt_top = _prompt_logprobs_field(body, stream)
+        if prompt_top is not None:
+            sampling["prompt_logprobs"] = max(prompt_top, sampling.get("prompt_logprobs", 0))
         if body.get("suffix") is not None:
             raise ApiError(400, "'suffix' is not supported", "suffix")
         prompts = self._prompts(body.get("prompt"))
@@ -251,8 +256,11 @@ class OpenAIServing:
                                 prefix={idx: texts[idx // n] for idx, *_ in jobs} if echo else None)
         outs = await self._run_all(jobs, routed)
         choices = [{"index": idx, "text": (texts[idx // n] if echo else "") + out["text"],
-                    "logprobs": self._completion_logprobs(_token_logprobs(out) if top is not None else None),
-                    "finish_reason": _finish(out)} for idx, out in outs]
+                    "logprobs": self._completion_logprobs(
+                        None if top is None else (_prompt_token_logprobs(out, top) if echo else []) + _token_logprobs(out)),
+                    "finish_reason": _finish(out),
+                    **({"prompt_logprobs": self._vllm_prompt_logprobs(out, prompt_top)} if prompt_top is not None else {})}
+                   for idx, out in outs]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": self._usage(sum(map(len, encoded)), self._by_prompt(jobs, outs))}
 
@@ -285,6 +293,9 @@ class OpenAIServing:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if want:
             sampling.update(logprobs=True, top_logprobs=top)
+        prompt_top = _prompt_logprobs_field(body, stream)
+        if prompt_top is not None:
+            sampling["prompt_logprobs"] = prompt_top
         prompt, calls = self._chat_prompt(body, sampling)
         ids = self.manager.check_vocabulary(self.manager.tokenizer.encode(prompt, add_special_tokens=False), "messages")
         if len(ids) >= self.context_len:
@@ -304,7 +315,9 @@ class OpenAIServing:
         choices = [{"index": idx, **_chat_reply(out, calls),
                     "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None)} for idx, out in outs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs))}
+                "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs)),
+                **({"prompt_logprobs": self._vllm_prompt_logprobs(outs[0][1], prompt_top)}
+                   if prompt_top is not None else {})}
 
     def _chat_prompt(self, body: dict, sampling: dict) -> tuple[str, tuple | None]:
         """The chat request's prompt text, and (format, forced reply start, parallel, function
@@ -396,8 +409,22 @@ class OpenAIServing:
             offsets.append(at)
             at += len(text)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in lps],
-                "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in lps],
+                "top_logprobs": [None if top is None else {self._token_text(t): v for t, v in top} for _, _, top in lps],
                 "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self, out: dict, top: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob,
+        rank, decoded_token}} for the token and the `top` most likely ones."""
+        entries: list[dict | None] = []
+        for tid, lp, alternatives in _prompt_token_logprobs(out, top):
+            if lp is None:
+                entries.append(None)
+                continue
+            ranked = {str(t): {"logprob": v, "rank": k + 1, "decoded_token": self._token_text(t)}
+                      for k, (t, v) in enumerate(alternatives)}
+            own = ranked.get(str(tid)) or {"logprob": lp, "decoded_token": self._token_text(tid)}
+            entries.append({str(tid): own, **ranked})
+        return entries
 
     def _chat_logprobs(self, lps: list | None) -> dict | None:
         if lps is None:
@@ -553,6 +580,25 @@ def _token_logprobs(out: dict) -> list[tuple[int, float, list[tuple[int, float]]
     meta = out["meta_info"]
     return [(tid, lp, [(a, v) for v, a in top])
             for (lp, tid), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]
+
+
+def _prompt_token_logprobs(out: dict, top: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    """(token id, logprob, [(alternative id, logprob), ...] of the `top` first) per prompt token;
+    the first token has neither (None)."""
+    meta = out["meta_info"]
+    return [(tid, lp, None if alternatives is None else [(a, v) for v, a in alternatives[:top]])
+            for (lp, tid), alternatives in zip(meta["input_token_logprobs"], meta["input_top_logprobs"])]
+
+
+def _prompt_logprobs_field(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs` extra: alternatives per prompt token (None: not asked)."""
+    top = _field(body, "prompt_logprobs", int)
+    if top is not None:
+        if not 0 <= top <= 20:
+            raise ApiError(400, "'prompt_logprobs' must be between 0 and 20", "prompt_logprobs")
+        if stream:
+            raise ApiError(400, "'prompt_logprobs' is answered whole: not with stream", "prompt_logprobs")
+    return top
 
 
 def _finish(out: dict) -> str | None:

@@ -234,7 +234,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_with_logprobs(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sampled ids (one per sample row) and, when any row asked, their logprobs; they are also
-        kept in the future map, where a later step's input references find them."""
+        kept in the future map, where a later step's input references find them. The prompt
+        logprobs of the step's prompt_logprob_rows are left in `prompt_logprobs`."""
+        self.prompt_logprobs: list[list[TokenLogprobs]] = []
         ids, logprobs = self._forward(batch)
         if self.tp.size > 1 and batch.share_samples:  # every rank's map needs them
             ids = self.tp.broadcast_ids(ids, len(batch.future_slots))
@@ -252,6 +254,11 @@ class ModelRunner:
         if batch.track_tokens:
             self._record_tokens(fb, batch.prompt_lens)
         hidden = None if self.pp.is_first else self.pp.recv(len(fb.input_ids), self.config.hidden_size, self.dtype)
+        input_ids, sampled_rows = fb.input_ids, len(fb.logit_rows)
+        if batch.prompt_logprob_rows:  # (every position of those rows: their logits follow the sampled rows')
+            fb.logit_rows = torch.cat([fb.logit_rows] + [
+                torch.arange(int(fb.token_starts[r]), int(fb.token_starts[r] + fb.extend_lens[r]))
+                for r in batch.prompt_logprob_rows])
         if self.staging is None:
             self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
             self.attn.prepare(fb)
@@ -261,7 +268,12 @@ class ModelRunner:
         if not self.pp.is_last:
             self.pp.send(*model_logits)
             return [], []
-        if not batch.sampling or model_logits is None:  # (None: a tensor-parallel rank other than 0)
+        if model_logits is None:  # (a tensor-parallel rank other than 0)
+            return [], []
+        if batch.prompt_logprob_rows:
+            self.prompt_logprobs = self._prompt_logprobs(batch, fb, input_ids, model_logits[sampled_rows:])
+            model_logits = model_logits[:sampled_rows]
+        if not batch.sampling:
             return [], []
         pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
                                 self.eos_token_ids)
@@ -286,6 +298,28 @@ class ModelRunner:
         out = [TokenLogprobs(chosen[i], list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])))
                if p.logprobs else None for i, p in enumerate(batch.sampling)]
         return ids.tolist(), out
+
+    @staticmethod
+    def _prompt_logprobs(batch: ModelWorkerBatch, fb: ForwardBatch, input_ids: torch.Tensor,
+                         logits: torch.Tensor) -> list[list[TokenLogprobs]]:
+        """Per prompt_logprob_rows entry, of each prompt token after one of its positions: its
+        logprob there (log_softmax of the raw logits) and the `top` most likely tokens'."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        out, at = [], 0
+        for row, following, top in zip(batch.prompt_logprob_rows, batch.prompt_logprob_next,
+                                        batch.prompt_logprob_top):
+            start, n = int(fb.token_starts[row]), int(fb.extend_lens[row])
+            targets = input_ids[start + 1:start + n].tolist() + ([following] if following >= 0 else [])
+            rows = logprobs[at:at + len(targets)].cpu()
+            at += n
+            chosen = rows.gather(1, torch.tensor(targets, dtype=torch.int64)[:, None])[:, 0].tolist()
+            if top:
+                top_lps, top_ids = rows.topk(top, dim=-1)
+                alternatives = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lps.tolist())]
+            else:
+                alternatives = [[] for _ in targets]
+            out.append([TokenLogprobs(c, a) for c, a in zip(chosen, alternatives)])
+        return out
 
     def _forward_on_device(self, fb: ForwardBatch, hidden=None):
         """The forward pass with the step's tensors on the device: one upload of its tables, one
