@@ -138,3 +138,20 @@ def parallel_outputs(model_path, prompts, alone: int = 8, trace_dir: Path | None
         weights = {name: info["weight_bytes"] for name, info in engine.launcher.ready_info.items()
                    if name.startswith("worker")}
     return each, batched, weights
+
+
+def run_to_completion(runner, core: SchedulerCore, reqs: list[Req], after_step=None) -> SchedulerCore:
+    """Add `reqs` and run core and runner until nothing is left (prompt logprobs included);
+    after_step(batch) runs after each step's forward, before its result is applied."""
+    for r in reqs:
+        core.add_request(r)
+    while core.waiting or core.running:
+        batch, _ = core.next_batch()
+        if batch is None:
+            continue
+        ids = runner.forward(batch.to_worker_batch())
+        if after_step is not None:
+            after_step(batch)
+        core.on_result(batch, ids, None, runner.prompt_logprobs)
+    assert not core.idle_leaks()
+    return core

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from inproc import build_tiny_checkpoint
+from inproc import build_tiny_checkpoint, run_to_completion
 from ipc.messages import SamplingParams
 from scheduler_proc.core import SchedulerConfig, SchedulerCore
 from scheduler_proc.req import Req
@@ -34,19 +34,6 @@ def _hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)[:-1]  # position p predicts token p + 1
 
 
-def _run(runner, core: SchedulerCore, reqs: list[Req]) -> None:
-    for r in reqs:
-        core.add_request(r)
-    while core.waiting or core.running:
-        batch, _ = core.next_batch()
-        if batch is None:
-            continue
-        wb = batch.to_worker_batch()
-        ids = runner.forward(wb)
-        core.on_result(batch, ids, None, runner.prompt_logprobs)
-    assert not core.idle_leaks()
-
-
 def test_prompt_logprobs_match_hf_through_chunks_retraction_and_the_cache(tiny):
     hf, runner = tiny
     rng = np.random.default_rng(0)
@@ -56,11 +43,11 @@ def test_prompt_logprobs_match_hf_through_chunks_retraction_and_the_cache(tiny):
                                          chunked_prefill_size=24, max_context_len=256, init_new_token_ratio=0.0,
                                          min_new_token_ratio=0.0))
     first = Req("first", list(prompts[0]), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
-    _run(runner, core, [first])  # (its prompt is now in the prefix cache)
+    run_to_completion(runner, core, [first])  # (its prompt is now in the prefix cache)
     reqs = [Req(f"r{i}", list(p), SamplingParams(max_new_tokens=30, temperature=1.0, seed=i, ignore_eos=True,
                                                  prompt_logprobs=(0, 3, None, 5)[i]))
             for i, p in enumerate(prompts)]
-    _run(runner, core, reqs)
+    run_to_completion(runner, core, reqs)
     assert core.num_retractions > 0 and reqs[0].cached_tokens == 0 and reqs[2].cached_tokens > 0
     for req, prompt in zip(reqs, prompts):
         top = req.sampling.prompt_logprobs

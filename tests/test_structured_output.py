@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from inproc import run_to_completion
 from ipc.messages import SamplingParams
 from scheduler_proc.core import SchedulerConfig, SchedulerCore
 from scheduler_proc.req import Req
@@ -107,20 +108,13 @@ def test_masks_allow_exactly_what_the_grammar_allows(runner, smollm2_tokenizer):
 
 
 def _run(runner, reqs, core: SchedulerCore) -> SchedulerCore:
-    for r in reqs:
-        core.add_request(r)
-    while core.waiting or core.running:
-        batch, _ = core.next_batch()
-        if batch is None:
-            continue
-        ids = runner.forward(batch.to_worker_batch())
-        for row in batch.rows:  # the worker's record of each constrained request is its output so far
+    def records_hold_the_output(batch):  # the worker's record of each constrained request is its output so far
+        for row in batch.rows:
             if row.samples and row.req.sampling.has_grammar:
                 assert runner.grammars.outputs.get(row.req.req_pool_idx, []) == \
                     row.req.output_ids[: row.output_index], row.req.rid
-        core.on_result(batch, ids)
-    assert not core.idle_leaks()
-    return core
+
+    return run_to_completion(runner, core, reqs, records_hold_the_output)
 
 
 @pytest.mark.parametrize("radix_cache", [False, True])

@@ -719,20 +719,16 @@ def build_router(serving: OpenAIServing) -> APIRouter:
         return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": serving.created,
                                             "owned_by": "loom", "max_model_len": serving.context_len}]}
 
-    @router.post("/v1/completions", openapi_extra=request_body(COMPLETION))
-    async def completions(request: Request):
-        return await handle(request, serving.completions)
+    def route(method):
+        async def endpoint(request: Request):
+            return await handle(request, method)
+        return endpoint
 
-    @router.post("/v1/chat/completions", openapi_extra=request_body(CHAT_COMPLETION))
-    async def chat_completions(request: Request):
-        return await handle(request, serving.chat)
-
-    @router.post("/tokenize", openapi_extra=request_body(TOKENIZE))
-    async def tokenize(request: Request):
-        return await handle(request, serving.tokenize)
-
-    @router.post("/detokenize", openapi_extra=request_body(DETOKENIZE))
-    async def detokenize(request: Request):
-        return await handle(request, serving.detokenize)
+    for path, schema, method in (("/v1/completions", COMPLETION, serving.completions),
+                                 ("/v1/chat/completions", CHAT_COMPLETION, serving.chat),
+                                 ("/tokenize", TOKENIZE, serving.tokenize),
+                                 ("/detokenize", DETOKENIZE, serving.detokenize)):
+        router.add_api_route(path, route(method), methods=["POST"], openapi_extra=request_body(schema),
+                             name=method.__name__)
 
     return router
