@@ -41,6 +41,10 @@ def test_choices_become_a_grammar_of_their_literals():
     ({"ebnf": "x" * 70000}, "ebnf has 70000 characters"),
     ({"choice": ["a", ""]}, "choice takes 1 to"),
     ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex and ebnf: a request takes one kind"),
+    # schemas whose compile would stall the worker's step
+    ({"json_schema": '{"type": "array", "items": ' * 70 + "{}" + "}" * 70}, "json_schema is nested more than 64"),
+    ({"json_schema": json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}})},
+     "json_schema has 300 optional properties"),
 ])
 def test_bad_grammars_are_refused_with_the_field_named(fields, message):
     problem = check_grammar(SamplingParams(**fields))

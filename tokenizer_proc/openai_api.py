@@ -353,10 +353,9 @@ class OpenAIServing:
             if tools and tool_choice not in ("auto", "none") else ""
         prompt += forced
         if forced and not any(name in sampling for name in STRUCTURED):
-            try:
-                sampling["ebnf"] = fmt.call_grammar(tools, None if tool_choice == "required" else tool_choice)
-            except ValueError as e:
-                raise ApiError(400, str(e), "tools") from None
+            grammar = fmt.call_grammar(tools, None if tool_choice == "required" else tool_choice)
+            if grammar is not None:
+                sampling["ebnf"] = grammar
         calls = (fmt, forced, parallel, names) if tools and tool_choice != "none" else None
         return prompt, calls
 

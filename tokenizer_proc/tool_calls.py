@@ -100,33 +100,34 @@ class ToolCallFormat:
         """The start of a reply that makes it a call (of `function`, or of one the model names)."""
         return self.opening + '{"name": ' + (f'{json.dumps(function)}, "{self.arguments_key}": ' if function else '"')
 
-    def call_grammar(self, tools: list[dict], function: str | None) -> str:
+    def call_grammar(self, tools: list[dict], function: str | None) -> str | None:
         """An EBNF grammar (structured output) of the rest of a reply that forced_prefix(function)
         began: one call of `function` (None: of any tool, the model writing the name), its
-        arguments an object of the function's parameters schema, then the call's end. Raises
-        ValueError naming the tool whose parameters are not a schema xgrammar takes."""
+        arguments an object of the function's parameters schema, then the call's end. None where
+        the schemas are beyond what a grammar here takes (xgrammar refuses one, or they would
+        compile too long): the reply is then only started as a call."""
         import xgrammar as xgr
 
-        from worker_proc.grammar import json_schema_grammar
+        from worker_proc.grammar import MAX_GRAMMAR_CHARS, json_schema_grammar, schema_problem
 
         def literal(text: str):
             return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
+        chosen = [t["function"] for t in tools if function is None or t["function"]["name"] == function]
+        schemas = [fn.get("parameters") or {"type": "object"} for fn in chosen]
+        if schema_problem(schemas) is not None:
+            return None
         calls = []
-        for i, tool in enumerate(tools):
-            fn = tool["function"]
-            if function is not None and fn["name"] != function:
-                continue
+        for fn, schema in zip(chosen, schemas):
             try:  # (properties the schema does not name are allowed unless the function is strict)
-                arguments = json_schema_grammar(json.dumps(fn.get("parameters") or {"type": "object"}),
-                                                strict=bool(fn.get("strict")))
-            except RuntimeError as e:
-                raise ValueError(f"tools[{i}].function.parameters: not a JSON schema that constrains output "
-                                 f"({str(e).strip().splitlines()[-1][:200]})") from None
+                arguments = json_schema_grammar(json.dumps(schema), strict=bool(fn.get("strict")))
+            except RuntimeError:
+                return None
             name = [] if function else [literal(json.dumps(fn["name"], ensure_ascii=False)[1:]
                                                 + f', "{self.arguments_key}": ')]
             calls.append(xgr.Grammar.concat(*name, arguments, literal("}" + self.closing)))
-        return str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
+        text = str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
+        return text if len(text) <= MAX_GRAMMAR_CHARS else None
 
     def call_text(self, name: str, arguments: dict) -> str:
         """A past call as the model writes it (for templates that render no tool calls)."""
