@@ -218,6 +218,31 @@ def test_native_streaming_incremental(server):
     assert "".join(pieces) == full["text"] and ids == full["output_ids"] and len(pieces) > 1
 
 
+def test_sglang_logprob_fields_of_the_native_route(server, smollm2_tokenizer):
+    """return_logprob / top_logprobs_num / logprob_start_len, as SGLang's /generate takes them:
+    the output's logprobs, and the prompt's from logprob_start_len on (streamed or not)."""
+    text = "The capital of France is"
+    ids = smollm2_tokenizer.encode(text)
+    body = {"text": text, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 2,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    out = httpx.post(server.url + "/generate", timeout=120, json=body).json()
+    meta = out["meta_info"]
+    assert [tid for _, tid in meta["input_token_logprobs"]] == ids[2:]
+    assert all(lp < 0 for lp, _ in meta["input_token_logprobs"]) and len(meta["input_top_logprobs"][0]) == 2
+    assert len(meta["output_token_logprobs"]) == len(out["output_ids"]) == 3
+    whole = httpx.post(server.url + "/generate", timeout=120, json={**body, "logprob_start_len": 0}).json()
+    assert whole["meta_info"]["input_token_logprobs"][0][0] is None
+    assert whole["meta_info"]["input_token_logprobs"][2:] == meta["input_token_logprobs"]
+    events = []
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"]
+    plain = httpx.post(server.url + "/generate", timeout=120, json={**body, "return_logprob": False}).json()
+    assert "input_token_logprobs" not in plain["meta_info"] and plain["meta_info"]["output_token_logprobs"] == []
+    r = httpx.post(server.url + "/generate", timeout=120, json={**body, "top_logprobs_num": "2"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num"
+
+
 def test_eos_ids_read_before_the_tokenizer_loads_are_the_tokenizers(default_model_dir, smollm2_tokenizer, tmp_path):
     """The processes start with the eos ids the tokenizer's files name (the tokenizer loads
     meanwhile); where the files do not say it plainly, the tokenizer decides first."""

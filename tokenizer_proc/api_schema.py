@@ -40,6 +40,8 @@ GENERATE = {
         "priority": {"type": "integer"},
         "routing_key": {"type": ["string", "null"]},
         "routed_dp_rank": _INT,
+        # SGLang's logprob fields
+        "return_logprob": {"type": ["boolean", "null"]}, "top_logprobs_num": _INT, "logprob_start_len": _INT,
     },
 }
 

@@ -72,6 +72,35 @@ def _prompts(body: dict) -> tuple[list[tuple[str | None, list | None]], bool]:
     return [(text, input_ids)], False
 
 
+def _logprob_fields(body: dict) -> tuple[Any, int]:
+    """The sampling parameters with SGLang's return_logprob / top_logprobs_num / logprob_start_len
+    folded in, and where the prompt's logprobs start (-1: none)."""
+    sampling = body.get("sampling_params")
+    fields = {name: body.get(name) for name in ("return_logprob", "top_logprobs_num", "logprob_start_len")}
+    for name, kind in (("return_logprob", bool), ("top_logprobs_num", int), ("logprob_start_len", int)):
+        if fields[name] is not None and (type(fields[name]) is not kind):
+            raise RequestError(f"{name} must be {'a boolean' if kind is bool else 'an integer'}")
+    if not fields["return_logprob"]:
+        return sampling, -1
+    if sampling is not None and not isinstance(sampling, dict):
+        return sampling, -1  # (refused as it is by the sampling checks)
+    top = fields["top_logprobs_num"] or 0
+    start = -1 if fields["logprob_start_len"] is None else fields["logprob_start_len"]
+    sampling = {**(sampling or {}), "logprobs": True, "top_logprobs": top}
+    if start >= 0:
+        sampling["prompt_logprobs"] = top
+    return sampling, start
+
+
+def _from_logprob_start(out: dict, start: int) -> dict:
+    """SGLang's input logprobs begin at logprob_start_len."""
+    meta = out["meta_info"]
+    if start > 0 and "input_token_logprobs" in meta:
+        meta["input_token_logprobs"] = meta["input_token_logprobs"][start:]
+        meta["input_top_logprobs"] = meta["input_top_logprobs"][start:]
+    return out
+
+
 def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name: str,
               api_key: str | None = None, max_request_bytes: int = 32 * 1024 * 1024,
               tool_call_parser: str = "auto") -> FastAPI:
@@ -146,7 +175,10 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
         stream = bool(body.get("stream"))
         if batch and stream:
             return _error(400, "stream is supported for a single prompt", "stream")
-        sampling = body.get("sampling_params")
+        try:
+            sampling, logprob_start = _logprob_fields(body)
+        except RequestError as e:
+            return _error(400, str(e), str(e).split(" ", 1)[0])
         rid = body.get("rid")
         if batch and isinstance(rid, list) and len(rid) != len(prompts):
             return _error(400, f"rid: {len(rid)} ids for {len(prompts)} prompts", "rid")
@@ -174,6 +206,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
             sent = {"text": 0, "ids": 0}
 
             def event(out: dict) -> bytes:
+                out = _from_logprob_start(out, logprob_start)
                 if incremental:  # only what is new since the previous event
                     text, ids = out["text"], out["output_ids"]
                     out = {**out, "text": text[sent["text"]:], "output_ids": ids[sent["ids"]:]}
@@ -198,6 +231,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name
             return _error(400, str(e))
         except UnavailableError as e:
             return _error(503, str(e))
+        outs = [_from_logprob_start(out, logprob_start) for out in outs]
         return outs if batch else outs[0]
 
     return app

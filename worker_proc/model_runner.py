@@ -207,6 +207,7 @@ class ModelRunner:
         self.prompt_tokens = PromptTokenMask(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.futures = FutureMap(rc.max_running_requests)  # sampled ids a later step references
         self.grammars = GrammarMasks(rc.model_dir, self.config.vocab_size, self.eos_token_ids)
+        self.prompt_logprobs: list[list[TokenLogprobs]] = []  # the last step's (forward_with_logprobs)
         self.graphs = None
         if self.on_gpu and rc.cuda_graph_max_bs > 0 and self.attention_backend == "triton":
             if tp.size > 1 or pp.size > 1:
@@ -236,7 +237,7 @@ class ModelRunner:
         """Sampled ids (one per sample row) and, when any row asked, their logprobs; they are also
         kept in the future map, where a later step's input references find them. The prompt
         logprobs of the step's prompt_logprob_rows are left in `prompt_logprobs`."""
-        self.prompt_logprobs: list[list[TokenLogprobs]] = []
+        self.prompt_logprobs = []
         ids, logprobs = self._forward(batch)
         if self.tp.size > 1 and batch.share_samples:  # every rank's map needs them
             ids = self.tp.broadcast_ids(ids, len(batch.future_slots))
