@@ -148,16 +148,17 @@ def _structured_output(body: dict) -> dict:
             want = {"choice": "a list of strings", "json_object": "a boolean"}.get(field, "a string")
             raise ApiError(400, f"'{name}' must be {want}", name)
         asked[name] = {field: value}
+    if not asked:
+        return {}
     if len(asked) > 1:
         raise ApiError(400, f"{' and '.join(asked)}: a request takes one kind of structured output", next(iter(asked)))
-    for name, fields in asked.items():
-        from worker_proc.grammar import check_grammar
+    from worker_proc.grammar import check_grammar
 
-        problem = check_grammar(SamplingParams(**fields))
-        if problem is not None:
-            raise ApiError(400, f"'{name}': {problem}", name)
-        return fields
-    return {}
+    [(name, fields)] = asked.items()
+    problem = check_grammar(SamplingParams(**fields))
+    if problem is not None:
+        raise ApiError(400, f"'{name}': {problem}", name)
+    return fields
 
 
 class OpenAIServing:
