@@ -509,7 +509,8 @@ class SchedulerCore:
         sp = req.sampling
         if token in sp.stop_token_ids:
             return FinishReason("stop", matched=token)
-        if not sp.ignore_eos and token in self._eos and produced >= sp.min_new_tokens:
+        # (a grammar lets EOS through only once its text is whole: min_new_tokens does not hold it)
+        if not sp.ignore_eos and token in self._eos and (produced >= sp.min_new_tokens or sp.has_grammar):
             return FinishReason("stop", matched=token)
         if (sp.stop or sp.stop_regex) and self.stop_checker is not None:
             matched = self.stop_checker(req, produced)

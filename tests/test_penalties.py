@@ -167,10 +167,11 @@ def test_min_tokens_rows_from_params():
         SamplingParams(min_new_tokens=3),
         SamplingParams(min_new_tokens=0, stop_token_ids=[7]),
         SamplingParams(min_new_tokens=3, ignore_eos=True),  # nothing to mask
+        SamplingParams(min_new_tokens=3, choice=["a"]),  # a grammar decides where it may end
     ]
-    rows, stops = min_tokens_rows(params, [2, 0, 3, 0, 0], eos_token_ids=[1, 2])
+    rows, stops = min_tokens_rows(params, [2, 0, 3, 0, 0, 1], eos_token_ids=[1, 2])
     assert rows == [0, 1] and stops == [[7, 1, 2], [7]]
-    pb = PenaltyBatch.build(params, [2, 0, 3, 0, 0], V, "cpu", eos_token_ids=[1, 2])
+    pb = PenaltyBatch.build(params, [2, 0, 3, 0, 0, 1], V, "cpu", eos_token_ids=[1, 2])
     assert pb.min_token_rows == [0, 1] and not pb.needs_counts and not pb.is_noop
 
 

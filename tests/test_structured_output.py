@@ -183,3 +183,14 @@ def test_a_prefix_table_restores_the_output_on_record(runner):
     runner._apply_prefix_tables(batch, None)
     assert runner.grammars.outputs[3] == output
     runner.grammars.reset([3])
+
+
+def test_a_grammar_ends_the_output_before_min_new_tokens(runner, smollm2_tokenizer):
+    """min_new_tokens does not hold a request past its grammar's end (which allows only EOS)."""
+    req = Req("short", smollm2_tokenizer.encode("Say yes:"),
+              SamplingParams(choice=["yes", "no"], min_new_tokens=5, max_new_tokens=10, temperature=0.0))
+    run_to_completion(runner, SchedulerCore(SchedulerConfig(max_total_tokens=500, max_running_requests=4,
+                                                            max_prefill_tokens=64, max_context_len=512,
+                                                            eos_token_ids=(2,))), [req])
+    assert req.finish.type == "stop" and req.output_ids[-1] == 2
+    assert smollm2_tokenizer.decode(req.output_ids[:-1]) in ("yes", "no")

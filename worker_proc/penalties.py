@@ -212,11 +212,13 @@ def min_tokens_rows(params: Sequence, output_lens: Sequence[int],
 
     The stop ids of a row are its ``stop_token_ids`` plus `eos_token_ids` unless ``ignore_eos``
     (with ignore_eos EOS does not end the request, so it needs no mask). `output_lens[i]` is the
-    number of tokens row i has generated before this step."""
+    number of tokens row i has generated before this step. A row under a grammar (structured
+    output) is left to it: the grammar allows the end only once its text is whole, and a mask of
+    the end there would leave that row no token at all."""
     rows: list[int] = []
     stops: list[list[int]] = []
     for i, (p, n) in enumerate(zip(params, output_lens)):
-        if n >= getattr(p, "min_new_tokens", 0):
+        if n >= getattr(p, "min_new_tokens", 0) or getattr(p, "has_grammar", False):
             continue
         ids = list(getattr(p, "stop_token_ids", ()) or ())
         if not getattr(p, "ignore_eos", False):
