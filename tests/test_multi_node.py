@@ -20,13 +20,17 @@ PROMPTS_SEED = 4
 
 
 def free_port_range(n: int) -> int:
-    """A base port with n free ports after it (the multi-node endpoints count up from it)."""
-    for base in range(31000, 60000, 97):
+    """A base port with n free ports after it (the multi-node endpoints count up from it): below
+    the kernel's ephemeral range (32768 up by default), where a connection made meanwhile could take
+    one, and bound as ZMQ binds (SO_REUSEADDR: a port an earlier test left in TIME_WAIT is free)."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for base in range(20000, low - n, 97):
         try:
             socks = []
             for port in range(base, base + n):
                 s = socket.socket()
                 socks.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", port))
             return base
         except OSError:
