@@ -11,6 +11,9 @@ import json
 import msgspec
 
 
+STRUCTURED_OUTPUT_FIELDS = ("json_schema", "json_object", "regex", "ebnf", "choice")  # of SamplingParams
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -52,6 +55,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def has_grammar(self) -> bool:
         return (self.json_schema is not None or self.json_object or self.regex is not None or self.ebnf is not None
                 or bool(self.choice))
+
+    @property
+    def structured_fields(self) -> list[str]:
+        """The structured-output fields this request sets (a valid one sets at most one)."""
+        return [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(self, name) not in (None, False, [])]
 
     @property
     def grammar(self) -> tuple[str, str] | None:

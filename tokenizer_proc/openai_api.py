@@ -22,7 +22,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ipc.messages import SamplingParams
+from ipc.messages import STRUCTURED_OUTPUT_FIELDS, SamplingParams
 from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, DETOKENIZE, TOKENIZE, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
@@ -106,9 +106,6 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
         **_structured_output(body),
     }
     return {k: v for k, v in sampling.items() if v is not None}
-
-
-STRUCTURED = ("json_schema", "json_object", "regex", "ebnf", "choice")  # the sampling fields of structured output
 
 
 def _structured_output(body: dict) -> dict:
@@ -320,7 +317,7 @@ class OpenAIServing:
                 **({"prompt_logprobs": self._vllm_prompt_logprobs(outs[0][1], prompt_top)}
                    if prompt_top is not None else {})}
 
-    def _chat_prompt(self, body: dict, sampling: dict) -> tuple[str, tuple | None]:
+    def _chat_prompt(self, body: dict, sampling: dict | None) -> tuple[str, tuple | None]:
         """The chat request's prompt text, and (format, forced reply start, parallel, function
         names) where tool calls are to be parsed out of the reply (None: not). A reply that must
         be a call gets the call's grammar in `sampling` (unless the request asks for another)."""
@@ -353,7 +350,7 @@ class OpenAIServing:
         forced = fmt.forced_prefix(None if tool_choice == "required" else tool_choice) \
             if tools and tool_choice not in ("auto", "none") else ""
         prompt += forced
-        if forced and not any(name in sampling for name in STRUCTURED):
+        if forced and sampling is not None and not any(name in sampling for name in STRUCTURED_OUTPUT_FIELDS):
             grammar = fmt.call_grammar(tools, None if tool_choice == "required" else tool_choice)
             if grammar is not None:
                 sampling["ebnf"] = grammar
@@ -368,7 +365,7 @@ class OpenAIServing:
         self.check_model(body)
         special = _field(body, "add_special_tokens", bool)
         if body.get("messages") is not None:
-            prompt, _ = self._chat_prompt(body, {})
+            prompt, _ = self._chat_prompt(body, None)  # (no call grammar: nothing is generated)
             ids = self.manager.tokenizer.encode(prompt, add_special_tokens=bool(special))
         else:
             prompt = _field(body, "prompt", str)

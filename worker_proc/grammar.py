@@ -74,9 +74,7 @@ def build_grammar(kind: str, text: str):
 
 def check_grammar(params) -> str | None:
     """Why a request's structured output cannot be used (None: it can, or it asks for none)."""
-    asked = [name for name, value in (("json_schema", params.json_schema), ("json_object", params.json_object),
-                                      ("regex", params.regex), ("ebnf", params.ebnf), ("choice", params.choice))
-             if value not in (None, False, [])]
+    asked = params.structured_fields
     if not asked:
         return None
     if len(asked) > 1:
