@@ -32,6 +32,7 @@ from scheduler_proc.batching import BATCHING_STRATEGIES
 from scheduler_proc.load_balancer import LOAD_BALANCE_METHODS
 from scheduler_proc.policies import QUEUE_POLICIES
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES
+from tokenizer_proc.reasoning import REASONING_FORMATS
 from tokenizer_proc.tool_calls import TOOL_CALL_FORMATS
 from worker_proc.cpu_kernels import ISA_LEVELS
 from worker_proc.dllm_algorithms import DLLM_ALGORITHMS
@@ -183,6 +184,12 @@ class ServerArgs:
                                          "JSON list); auto: the one the chat template teaches (hermes, with the tools "
                                          "in a system message, where it teaches none)",
                                  choices=("auto", *TOOL_CALL_FORMATS.names()))
+    reasoning_parser: str | None = _arg(None, "a reasoning model's chat replies: the thinking in <think> ... </think> "
+                                              "returned as reasoning_content beside the answer's content (streamed "
+                                              "too), and structured output applied to the answer after it; "
+                                              "deepseek_r1: replies think from their first token, qwen3: where the "
+                                              "template opens the block in the prompt or the reply opens it",
+                                        choices=tuple(REASONING_FORMATS.names()))
     max_queued_requests: int | None = _arg(None, "requests in flight beyond this are refused at once (HTTP 503)")
     max_request_bytes: int = _arg(32 * 1024 * 1024, "largest HTTP request body (and ZMQ client message) accepted; "
                                                     "larger ones are refused with HTTP 413")
@@ -643,7 +650,8 @@ class Engine:
             raise ValueError("stream: Engine.chat returns whole replies; stream with generate(stream=True)")
         if self._chat is None:
             self._chat = OpenAIServing(self.manager, self.args.served_model_name or self.model_dir.name,
-                                       self.manager.context_len, self.args.tool_call_parser)
+                                       self.manager.context_len, self.args.tool_call_parser,
+                                       self.args.reasoning_parser)
         single = bool(messages) and isinstance(messages[0], dict)
         bodies = [{**request, "messages": m} for m in ([messages] if single else messages)]
 
@@ -790,7 +798,7 @@ def serve(args: ServerArgs) -> None:
         frontend.start()
         app = build_app(manager, {**info, "zmq_endpoint": frontend.address},
                         args.served_model_name or model_dir.name, args.api_key, args.max_request_bytes,
-                        args.tool_call_parser)
+                        args.tool_call_parser, args.reasoning_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout + 1, access_log=False)
         print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens "

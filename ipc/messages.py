@@ -46,6 +46,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     ebnf: str | None = None
     choice: list[str] = []
+    # the grammar applies after the output's first run of these tokens (a reasoning model's end of
+    # thinking: its answer is what must match); empty: from the first output token
+    grammar_after: list[int] = []
 
     @property
     def is_greedy(self) -> bool:

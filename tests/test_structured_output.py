@@ -194,3 +194,51 @@ def test_a_grammar_ends_the_output_before_min_new_tokens(runner, smollm2_tokeniz
                                                             eos_token_ids=(2,))), [req])
     assert req.finish.type == "stop" and req.output_ids[-1] == 2
     assert smollm2_tokenizer.decode(req.output_ids[:-1]) in ("yes", "no")
+
+
+def test_a_grammar_after_a_tag_starts_once_the_tag_is_written(smollm2_tokenizer):
+    """grammar_after (a reasoning model's end of thinking): the row is free until the output holds
+    the tag's tokens, even written across two steps, and then follows the grammar from there."""
+    masks = GrammarMasks("unused", 49152, (2,))
+    masks._compiler = _compiler(smollm2_tokenizer)
+    tag = [11, 12]
+    params = [SamplingParams(regex="[0-9]{2}", grammar_after=tag)]
+    outputs = [5, 11, 7, 12, 11]  # (11 alone, then 12 without 11 before it, then the tag's first token)
+    for n, token in enumerate(outputs, 1):
+        masks.record([0], [token])
+        assert masks.masks(params, [0], [n]) is None
+    masks.record([0], [12])
+    bitmask, rows = masks.masks(params, [0], [6])
+    logits = torch.zeros(1, 49152)
+    masks.apply(logits, (bitmask, rows))
+    assert {smollm2_tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()} \
+        == {str(d) for d in range(10)}
+    # a second tag does not start it over; a restarted request searches afresh
+    seven = smollm2_tokenizer.convert_tokens_to_ids("7")
+    masks.record([0], [seven])
+    assert masks.matchers[0][3] == 6 and masks.masks(params, [0], [7]) is not None
+    masks.reset([0])
+    masks.record([0], [seven])
+    assert masks.masks(params, [0], [1]) is None
+
+
+def _compiler(tokenizer):
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[2]))
+
+
+def test_a_run_answers_by_the_grammar_after_its_tag(runner, smollm2_tokenizer):
+    """Greedy, the tag's token pushed up by logit_bias: the tag comes first (the grammar not yet
+    applying), then the grammar forbids it and the digits follow, then EOS."""
+    tok = smollm2_tokenizer
+    bang = tok.convert_tokens_to_ids("!")
+    req = Req("r", tok.encode("Count:"), SamplingParams(max_new_tokens=12, temperature=0.0, logit_bias={bang: 100.0},
+                                                        regex="[0-9]{4}", grammar_after=[bang]))
+    free = Req("free", tok.encode("Count:"), SamplingParams(max_new_tokens=3, temperature=0.0, logit_bias={bang: 100.0}))
+    run_to_completion(runner, SchedulerCore(SchedulerConfig(max_total_tokens=500, max_running_requests=4,
+                                                            max_prefill_tokens=64, max_context_len=512,
+                                                            eos_token_ids=(2,))), [req, free])
+    assert free.output_ids == [bang] * 3
+    assert req.output_ids[0] == bang and req.output_ids[-1] == 2 and req.finish.type == "stop"
+    assert re.fullmatch("[0-9]{4}", tok.decode(req.output_ids[1:-1]))

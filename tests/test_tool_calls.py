@@ -3,7 +3,6 @@ chat route's prompts and tool_calls (the model's replies scripted)."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import random
@@ -12,7 +11,8 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from tokenizer_proc.openai_api import ApiError, OpenAIServing
+from scripted_chat import chat as _chat, serving as _serving
+from tokenizer_proc.openai_api import ApiError
 from tokenizer_proc.tool_calls import (TOOL_CALL_FORMATS, ToolCallStream, format_for_template, renders_tools,
                                        template_messages)
 
@@ -144,62 +144,6 @@ def test_a_template_with_tools_gets_the_calls_with_their_arguments_as_objects():
 
 
 # ---- the chat route, the model's replies scripted -----------------------------------------------
-
-class ScriptedManager:
-    """What OpenAIServing asks of a TokenizerManager; each request's reply is the next script
-    line, streamed a few characters a result."""
-
-    max_prompt_chars = None
-
-    def __init__(self, tokenizer, replies: list[str]):
-        self.tokenizer, self.replies, self.prompts, self.samplings = tokenizer, list(replies), [], []
-
-    def check_vocabulary(self, ids, field):
-        return ids
-
-    def ensure_capacity(self, n):
-        pass
-
-    def check_request(self, sampling, **kwargs):
-        pass
-
-    def _results(self, ids, sampling):
-        self.prompts.append(self.tokenizer.decode(ids))
-        self.samplings.append(sampling)
-        text = self.replies.pop(0)
-        ends = list(range(4, len(text), 4)) + [len(text)]
-        for n in ends:
-            yield {"text": text[:n], "output_ids": list(range(n)),
-                   "meta_info": {"finish_reason": {"type": "stop"} if n == len(text) else None, "completion_tokens": n,
-                                 "cached_tokens": 0, "output_token_logprobs": [], "output_top_logprobs": []}}
-
-    async def generate(self, input_ids, sampling, stream=False, prefill_group=None, routed_dp_rank=None):
-        for out in self._results(input_ids, sampling):
-            yield out
-
-    async def generate_final(self, input_ids, sampling, prefill_group=None, routed_dp_rank=None):
-        return list(self._results(input_ids, sampling))[-1]
-
-
-def _chat(serving: OpenAIServing, body: dict):
-    async def run():
-        response = await serving.chat(body)
-        if isinstance(response, dict):
-            return response
-        chunks = []
-        async for item in response.body_iterator:
-            data = (item.decode() if isinstance(item, bytes) else item).removeprefix("data: ").strip()
-            if data != "[DONE]":
-                chunks.append(json.loads(data))
-        return chunks
-
-    return asyncio.run(run())
-
-
-def _serving(tokenizer, replies, parser="auto"):
-    manager = ScriptedManager(tokenizer, replies)
-    return OpenAIServing(manager, "m", 2048, parser), manager
-
 
 BODY = {"messages": [{"role": "user", "content": "Weather in Paris and the time?"}], "tools": [WEATHER, TIME]}
 REPLY = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'

@@ -24,6 +24,7 @@ SAMPLING_PARAMS = {
         "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _INT, "stream_interval": _INT,
         "json_schema": {"type": ["string", "object", "null"]}, "json_object": {"type": ["boolean", "null"]},
         "regex": _TEXT, "ebnf": _TEXT, "choice": _CHOICES, "prompt_logprobs": _INT,
+        "grammar_after": {"type": ["array", "null"], "items": {"type": "integer"}},
     },
     "additionalProperties": False,
 }
@@ -98,7 +99,7 @@ CHAT_COMPLETION = {
         "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
             "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
             "content": _CONTENT, "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
-            "tool_call_id": {"type": ["string", "null"]}}}},
+            "tool_call_id": {"type": ["string", "null"]}, "reasoning_content": _TEXT}}},
         "max_tokens": _INT, "max_completion_tokens": _INT, "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": _INT, "tools": {"type": ["array", "null"], "items": _TOOL},
         "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "null"},
@@ -107,6 +108,9 @@ CHAT_COMPLETION = {
                                       "function": {"type": "object", "required": ["name"],
                                                    "properties": {"name": {"type": "string"}}}}}]},
         "parallel_tool_calls": {"type": ["boolean", "null"]}, "add_generation_prompt": {"type": ["boolean", "null"]},
+        "chat_template_kwargs": {"type": ["object", "null"]},
+        # a reasoning model's thinking (--reasoning-parser): SGLang's split switch, vLLM's keep switch
+        "separate_reasoning": {"type": ["boolean", "null"]}, "include_reasoning": {"type": ["boolean", "null"]},
         **_OPENAI_SAMPLING,
     },
 }
@@ -116,6 +120,7 @@ TOKENIZE = {
     "properties": {
         "prompt": {"type": "string"}, "messages": CHAT_COMPLETION["properties"]["messages"],
         "tools": CHAT_COMPLETION["properties"]["tools"], "add_generation_prompt": {"type": ["boolean", "null"]},
+        "chat_template_kwargs": {"type": ["object", "null"]},
         "add_special_tokens": {"type": ["boolean", "null"]}, "return_token_strs": {"type": ["boolean", "null"]},
         "model": {"type": ["string", "null"]},
     },

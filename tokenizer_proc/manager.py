@@ -65,6 +65,7 @@ SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 MAX_STOPS = 32  # stop strings, and separately stop regexes
 MAX_STOP_CHARS = 256  # characters of one stop string or regex
 MAX_STOP_TOKEN_IDS = 1024
+MAX_GRAMMAR_AFTER = 16  # tokens of the tag a grammar starts after
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_TOP_LOGPROBS = 20
 MAX_ID_CHARS = 256  # a request id or routing key
@@ -97,7 +98,8 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         value = getattr(sp, name)
         if value is not None and not INT64[0] <= value <= INT64[1]:
             raise RequestError(f"sampling_params: {name} must be a 64-bit integer, got {str(value)[:40]}")
-    for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias)):
+    for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias),
+                      ("grammar_after", sp.grammar_after)):
         if not all(INT64[0] <= i <= INT64[1] for i in ids):
             raise RequestError(f"sampling_params: {name} takes 64-bit token ids")
     floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -123,6 +125,7 @@ def parse_sampling_params(raw: dict | SamplingParams | None) -> SamplingParams:
         (all(len(s) <= MAX_STOP_CHARS for s in sp.stop_regex),
          f"stop_regex patterns are at most {MAX_STOP_CHARS} characters"),
         (len(sp.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
+        (len(sp.grammar_after) <= MAX_GRAMMAR_AFTER, f"grammar_after takes at most {MAX_GRAMMAR_AFTER} ids"),
         (0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
         (sp.prompt_logprobs is None or 0 <= sp.prompt_logprobs <= MAX_TOP_LOGPROBS,
          f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
@@ -276,7 +279,7 @@ class TokenizerManager:
                                       or invalid_text_path(value) is not None):
                 raise RequestError(f"{name} must be a string of at most {MAX_ID_CHARS} characters (valid Unicode)")
         sp = parse_sampling_params(sampling)
-        bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < self.vocab_size]
+        bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids, *sp.grammar_after] if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"sampling_params: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         if self.diffusion and (sp.logprobs or sp.top_logprobs or sp.prompt_logprobs is not None):

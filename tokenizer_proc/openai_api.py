@@ -8,7 +8,9 @@ fields with no effect here (user, routing fields) are ignored. A wrong value is 
 the field. Chat requests with `tools` get function calling (tool_calls.py): the tools in the prompt,
 the calls parsed out of the reply (tool_choice auto), or a reply started as a call and held to its
 grammar (required, or a named function). Structured output (response_format and the extras) goes
-to the worker as a grammar in the sampling parameters (worker_proc/grammar.py)."""
+to the worker as a grammar in the sampling parameters (worker_proc/grammar.py). With
+--reasoning-parser, a reasoning model's thinking comes back as `reasoning_content` beside the
+answer (reasoning.py), and `chat_template_kwargs` reach the template (Qwen3's enable_thinking)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ipc.messages import STRUCTURED_OUTPUT_FIELDS, SamplingParams
 from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, DETOKENIZE, TOKENIZE, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
+from tokenizer_proc.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from tokenizer_proc.tool_calls import (TOOL_CALL_FORMATS, ToolCallFormat, ToolCallStream, format_for_template,
                                        json_object, renders_tools, template_messages)
 
@@ -159,13 +162,18 @@ def _structured_output(body: dict) -> dict:
 
 
 class OpenAIServing:
-    def __init__(self, manager: TokenizerManager, model_name: str, context_len: int, tool_call_parser: str = "auto"):
+    def __init__(self, manager: TokenizerManager, model_name: str, context_len: int, tool_call_parser: str = "auto",
+                 reasoning_parser: str | None = None):
         self.manager = manager
         self.model_name = model_name
         self.context_len = context_len
         self.created = int(time.time())
         self.tool_call_parser = tool_call_parser
         self._tool_format: ToolCallFormat | None = None
+        self.reasoning = REASONING_FORMATS.make(reasoning_parser) if reasoning_parser else None
+        # the end tag's tokens, after which the answer's grammar starts
+        self.reasoning_end_ids = manager.tokenizer.encode(self.reasoning.end, add_special_tokens=False) \
+            if self.reasoning else []
 
     @property
     def tool_format(self) -> ToolCallFormat:
@@ -294,7 +302,9 @@ class OpenAIServing:
         prompt_top = _prompt_logprobs_field(body, stream)
         if prompt_top is not None:
             sampling["prompt_logprobs"] = prompt_top
-        prompt, calls = self._chat_prompt(body, sampling)
+        prompt, calls, thinking = self._chat_prompt(body, sampling)
+        reasoning = (self.reasoning, thinking, _field(body, "include_reasoning", bool, True)) \
+            if self.reasoning and _field(body, "separate_reasoning", bool, True) else None
         ids = self.manager.check_vocabulary(self.manager.tokenizer.encode(prompt, add_special_tokens=False), "messages")
         if len(ids) >= self.context_len:
             raise ApiError(400, f"messages: the prompt has {len(ids)} tokens; the context length is "
@@ -308,19 +318,21 @@ class OpenAIServing:
                                 lambda idx, delta, finish, lps: {"index": idx, "delta": delta,
                                                                  "logprobs": self._chat_logprobs(lps),
                                                                  "finish_reason": finish},
-                                chat=True, calls=calls)
+                                chat=True, calls=calls, reasoning=reasoning)
         outs = await self._run_all(jobs, routed)
-        choices = [{"index": idx, **_chat_reply(out, calls),
+        choices = [{"index": idx, **_chat_reply(out, calls, reasoning),
                     "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None)} for idx, out in outs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs)),
                 **({"prompt_logprobs": self._vllm_prompt_logprobs(outs[0][1], prompt_top)}
                    if prompt_top is not None else {})}
 
-    def _chat_prompt(self, body: dict, sampling: dict | None) -> tuple[str, tuple | None]:
-        """The chat request's prompt text, and (format, forced reply start, parallel, function
-        names) where tool calls are to be parsed out of the reply (None: not). A reply that must
-        be a call gets the call's grammar in `sampling` (unless the request asks for another)."""
+    def _chat_prompt(self, body: dict, sampling: dict | None) -> tuple[str, tuple | None, bool]:
+        """The chat request's prompt text; (format, forced reply start, parallel, function names)
+        where tool calls are to be parsed out of the reply (None: not); and whether the reply
+        starts inside a reasoning model's thinking. A reply that must be a call gets the call's
+        grammar in `sampling` (unless the request asks for another); a grammar after thinking
+        starts at its end."""
         tools = _tools(body)
         tool_choice = _tool_choice(body, tools)
         parallel = _field(body, "parallel_tool_calls", bool, True)
@@ -335,11 +347,12 @@ class OpenAIServing:
         fmt = self.tool_format
         template = getattr(self.manager.tokenizer, "chat_template", None)
         with_tools = renders_tools(template)
+        extra = _template_kwargs(body)
         try:
             prompt = self.manager.tokenizer.apply_chat_template(
                 template_messages(conversation, tools, fmt, with_tools), tokenize=False,
                 add_generation_prompt=_field(body, "add_generation_prompt", bool, True),
-                **({"tools": tools} if tools and with_tools else {}))
+                **({"tools": tools} if tools and with_tools else {}), **extra)
         except Exception as e:  # a template that rejects the roles or order
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
         # the reply's start when a call is required: of the function named (or the one tool), or
@@ -355,7 +368,10 @@ class OpenAIServing:
             if grammar is not None:
                 sampling["ebnf"] = grammar
         calls = (fmt, forced, parallel, names) if tools and tool_choice != "none" else None
-        return prompt, calls
+        thinking = self.reasoning is not None and not forced and self.reasoning.thinking_at_start(prompt)
+        if thinking and sampling is not None and any(name in sampling for name in STRUCTURED_OUTPUT_FIELDS):
+            sampling["grammar_after"] = self.reasoning_end_ids
+        return prompt, calls, thinking
 
     # ---- tokenize / detokenize -----------------------------------------------------------
 
@@ -365,7 +381,7 @@ class OpenAIServing:
         self.check_model(body)
         special = _field(body, "add_special_tokens", bool)
         if body.get("messages") is not None:
-            prompt, _ = self._chat_prompt(body, None)  # (no call grammar: nothing is generated)
+            prompt, _, _ = self._chat_prompt(body, None)  # (no call grammar: nothing is generated)
             ids = self.manager.tokenizer.encode(prompt, add_special_tokens=bool(special))
         else:
             prompt = _field(body, "prompt", str)
@@ -473,11 +489,11 @@ class OpenAIServing:
         return [(group_of[idx], o) for idx, o in outs]
 
     def _stream(self, rid, obj, model, jobs, prompt_tokens, include_usage, routed_dp_rank, make_choice, prefix=None,
-                chat=False, calls=None):
+                chat=False, calls=None, reasoning=None):
         """SSE chunks of every choice as they come, then a usage chunk if asked, then [DONE].
         Validation happens here, before the stream starts, so errors in it are the engine's.
         calls: (format, forced prefix, parallel, function names) where tool calls are parsed out of the
-        chat reply."""
+        chat reply; reasoning: (format, starts thinking, include it) where the thinking is split out."""
         for _, _, sampling, _ in jobs[:1]:  # (the choices differ only in their seeds)
             self.manager.check_request(sampling, routed_dp_rank=routed_dp_rank)
         # bounded (several choices; one choice has no queue): a client that stops reading makes the
@@ -499,18 +515,25 @@ class OpenAIServing:
             elif prefix is not None:
                 yield make_choice(idx, prefix[idx], None, None)
             tool_stream = ToolCallStream(*calls) if calls else None
+            thinking = ReasoningStream(*reasoning[:2]) if reasoning else None
             async for out in gen:
                 lps = _token_logprobs(out)[sent_tokens:] if wants else None
                 sent_tokens = len(out["output_ids"])
                 finish = _finish(out) if out["meta_info"]["finish_reason"] else None
+                text, thought = out["text"], {}
+                if thinking is not None:  # (the answer goes on as below; the thinking beside it)
+                    thought = {"reasoning_content": thinking.feed(text, final=finish is not None)}
+                    text = thinking.content
+                    if not thought["reasoning_content"] or not reasoning[2]:
+                        thought = {}
                 if tool_stream is None:
-                    delta, sent = out["text"][sent:], len(out["text"])
-                    if delta or finish or lps:
-                        yield make_choice(idx, {"content": delta} if chat else delta, finish, lps)
+                    delta, sent = text[sent:], len(text)
+                    if delta or thought or finish or lps:
+                        yield make_choice(idx, _delta(thought, delta) if chat else delta, finish, lps)
                 else:  # content as it becomes certain, each call once it is whole, then the finish
-                    content, new_calls = tool_stream.feed(out["text"], final=finish is not None)
-                    if content or lps:
-                        yield make_choice(idx, {"content": content}, None, lps)
+                    content, new_calls = tool_stream.feed(text, final=finish is not None)
+                    if content or thought or lps:
+                        yield make_choice(idx, _delta(thought, content), None, lps)
                     first = tool_stream.calls_sent - len(new_calls)
                     for k, call in enumerate(new_calls):
                         yield make_choice(idx, {"tool_calls": [call.to_openai(first + k)]}, None, None)
@@ -572,6 +595,11 @@ class OpenAIServing:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _delta(thought: dict, content: str) -> dict:
+    """A chat chunk's delta: its thinking and its content (left out when empty beside thinking)."""
+    return {**thought, "content": content} if content or not thought else thought
+
+
 def _token_logprobs(out: dict) -> list[tuple[int, float, list[tuple[int, float]]]]:
     """(token id, logprob, [(alternative id, logprob), ...]) per output token."""
     meta = out["meta_info"]
@@ -603,17 +631,27 @@ def _finish(out: dict) -> str | None:
     return None if reason is None else reason["type"]
 
 
-def _chat_reply(out: dict, calls: tuple[ToolCallFormat, str, bool, frozenset[str]] | None) -> dict:
-    """A non-streamed choice's message and finish_reason; with tool calls parsed out where asked."""
-    if calls is None:
-        return {"message": {"role": "assistant", "content": out["text"]}, "finish_reason": _finish(out)}
+def _chat_reply(out: dict, calls: tuple[ToolCallFormat, str, bool, frozenset[str]] | None,
+                reasoning: tuple[ReasoningFormat, bool, bool] | None = None) -> dict:
+    """A non-streamed choice's message and finish_reason; with the thinking split out and tool
+    calls parsed out of the answer where asked."""
+    text, thought = out["text"], {}
+    if reasoning is not None:
+        fmt, thinking, include = reasoning
+        thought_text, text = fmt.split(text, thinking)
+        if thought_text is not None and include:
+            thought = {"reasoning_content": thought_text}
+    if calls is None:  # (a reply that only thought has no content, as vLLM answers)
+        return {"message": {"role": "assistant", **thought, "content": text if text or not thought else None},
+                "finish_reason": _finish(out)}
     fmt, forced, parallel, names = calls
-    content, found = fmt.parse(forced + out["text"], names)
+    content, found = fmt.parse(forced + text, names)
     if not parallel:
         found = found[:1]
     if not found:
-        return {"message": {"role": "assistant", "content": content}, "finish_reason": _finish(out)}
-    return {"message": {"role": "assistant", "content": content or None,
+        return {"message": {"role": "assistant", **thought, "content": content if content or not thought else None},
+                "finish_reason": _finish(out)}
+    return {"message": {"role": "assistant", **thought, "content": content or None,
                         "tool_calls": [c.to_openai() for c in found]}, "finish_reason": "tool_calls"}
 
 
@@ -655,6 +693,24 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> str:
     return name
 
 
+# apply_chat_template's own arguments, which the route sets
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+                                       "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "add_generation_prompt",
+                                       "continue_final_message"})
+
+
+def _template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs` (vLLM's and SGLang's extra): variables for the chat template, such
+    as Qwen3's enable_thinking."""
+    extra = _field(body, "chat_template_kwargs", dict, {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(extra))
+    if reserved:
+        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)} (the route's own arguments)",
+                       "chat_template_kwargs")
+    return extra
+
+
 def _chat_call(c: Any, where: str) -> dict:
     """A past call of an assistant message: its name and arguments (an object)."""
     fn = c.get("function") if isinstance(c, dict) else None
@@ -689,7 +745,7 @@ def _chat_message(m: Any, i: int) -> dict:
         if not isinstance(m["tool_calls"], list):
             raise ApiError(400, f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
         out["tool_calls"] = [_chat_call(c, f"messages[{i}].tool_calls[{k}]") for k, c in enumerate(m["tool_calls"])]
-    for key in ("tool_call_id", "name"):  # (a tool message's)
+    for key in ("tool_call_id", "name", "reasoning_content"):  # (a tool message's; an assistant's thinking)
         if isinstance(m.get(key), str):
             out[key] = m[key]
     return out

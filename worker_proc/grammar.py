@@ -10,7 +10,9 @@ Once the grammar is complete only the end-of-sequence tokens remain, so the requ
 A request's matcher follows the output tokens the worker is fed (each the step after it is
 sampled, or again in a re-prefill after a retraction): the record the penalties keep, so it stays
 right across retractions, prefix-cache hits and overlap scheduling with no round trip to the
-scheduler. JSON is generated compact (no free whitespace between tokens: a small model let to
+scheduler. A grammar may start later in the output (`SamplingParams.grammar_after`: after a reasoning
+model's end-of-thinking tag): the row is free until the record holds those tokens, and the matcher
+then follows the tokens after them. JSON is generated compact (no free whitespace between tokens: a small model let to
 choose may write whitespace until its tokens run out).
 """
 
@@ -139,7 +141,8 @@ class GrammarMasks:
         self._compiler = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.outputs: dict[int, list[int]] = {}  # slot -> its request's output tokens fed so far
-        self.matchers: dict[int, list] = {}  # slot -> [matcher, tokens it has accepted, grammar]
+        self.matchers: dict[int, list] = {}  # slot -> [matcher, tokens it has accepted, grammar, its start]
+        self.starts: dict[int, tuple[int, int | None]] = {}  # slot -> (tokens searched, grammar start) (grammar_after)
         self._mask: torch.Tensor | None = None
 
     @property
@@ -151,6 +154,7 @@ class GrammarMasks:
         for slot in slots:
             self.outputs.pop(slot, None)
             self.matchers.pop(slot, None)
+            self.starts.pop(slot, None)
 
     def record(self, slots: list[int], tokens: list[int]) -> None:
         """Output tokens fed this step, in order: tokens[i] to slots[i]."""
@@ -169,7 +173,7 @@ class GrammarMasks:
             self._mask = xgr.allocate_token_bitmask(max(len(params), 64), self.vocab_size)
         constrained = []
         for i in rows:
-            matcher = self._matcher(int(slots[i]), params[i].grammar, output_lens[i])
+            matcher = self._matcher(int(slots[i]), params[i].grammar, output_lens[i], params[i].grammar_after)
             if matcher is not None and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(self._mask, i)
                 constrained.append(i)
@@ -189,8 +193,9 @@ class GrammarMasks:
         else:
             logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
 
-    def _matcher(self, slot: int, grammar: tuple[str, str], output_len: int):
-        """The slot's matcher, caught up with the output its request has been fed."""
+    def _matcher(self, slot: int, grammar: tuple[str, str], output_len: int, after: list[int]):
+        """The slot's matcher, caught up with the output its request has been fed (None: the row is
+        free, its grammar not started yet)."""
         import xgrammar as xgr
 
         outputs = self.outputs.get(slot, [])
@@ -198,18 +203,36 @@ class GrammarMasks:
             log.warning("grammar: slot %d has %d output tokens on record, its request %d; left unconstrained",
                         slot, len(outputs), output_len)
             return None
+        start = self._start(slot, outputs, after) if after else 0
+        if start is None:
+            return None
         state = self.matchers.get(slot)
-        if state is None or state[2] != grammar or state[1] > output_len:
+        if state is None or state[2] != grammar or state[3] != start or state[1] > output_len:
             compiled = self._compile(grammar)
             if compiled is None:
                 return None
-            state = self.matchers[slot] = [xgr.GrammarMatcher(compiled), 0, grammar]
+            state = self.matchers[slot] = [xgr.GrammarMatcher(compiled), start, grammar, start]
         matcher = state[0]
         for token in outputs[state[1]:]:
             if not matcher.is_terminated() and not matcher.accept_token(token):
                 log.warning("grammar: slot %d sampled token %d, which its grammar forbids", slot, token)
         state[1] = len(outputs)
         return matcher
+
+    def _start(self, slot: int, outputs: list[int], after: list[int]) -> int | None:
+        """Where the slot's grammar starts: after the output's first run of `after` (None: not
+        written yet). Each step searches only the tokens new since the last."""
+        searched, start = self.starts.get(slot, (0, None))
+        if searched > len(outputs):  # (a shorter record: its request restarted)
+            searched, start = 0, None
+        if start is None:
+            n = len(after)
+            for i in range(max(0, searched - n + 1), len(outputs) - n + 1):
+                if outputs[i:i + n] == after:
+                    start = i + n
+                    break
+            self.starts[slot] = (len(outputs), start)
+        return start
 
     def _compile(self, grammar: tuple[str, str]):
         compiled = self._compiled.get(grammar)
