@@ -541,7 +541,8 @@ def _prepare(args: ServerArgs, preload: tuple[str, ...] = ()):
 
 class Engine:
     """In-process entry point: `Engine(**ServerArgs fields)`; generate / async_generate /
-    streaming, chat (OpenAI chat completions); use as a context manager or call shutdown()."""
+    streaming, chat (OpenAI chat completions), encode (embeddings); use as a context manager or
+    call shutdown()."""
 
     def __init__(self, **kwargs: Any):
         from tokenizer_proc.manager import TokenizerManager
@@ -666,6 +667,20 @@ class Engine:
 
         outs = self._run(run_all())
         return outs[0] if single else list(outs)
+
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+               normalize: bool = True) -> list[float] | list[list[float]]:
+        """Embeddings, as /v1/embeddings computes them: the model's final hidden state at each
+        prompt's last token (L2-normalized unless `normalize` is False). One prompt -> a vector; a
+        list -> a list of vectors, in order."""
+        import numpy as np
+
+        outs = self.generate(prompt, {"embedding": True}, input_ids)
+        vectors = [np.asarray(o["embedding"], dtype=np.float32) for o in (outs if isinstance(outs, list) else [outs])]
+        if normalize:
+            vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+        vectors = [v.tolist() for v in vectors]
+        return vectors if isinstance(outs, list) else vectors[0]
 
     def abort(self, rid: str = "") -> None:
         self._run(self.manager.abort(rid))

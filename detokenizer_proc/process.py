@@ -36,7 +36,8 @@ class Detokenizer:
             items.append(TextDelta(rid=d.rid, text=text, new_ids=d.new_ids, prompt_tokens=d.prompt_tokens,
                                    completion_tokens=d.completion_tokens, finish=d.finish,
                                    retractions=d.retractions, logprobs=d.logprobs,
-                                   cached_tokens=d.cached_tokens, prompt_logprobs=d.prompt_logprobs))
+                                   cached_tokens=d.cached_tokens, prompt_logprobs=d.prompt_logprobs,
+                                   embedding=d.embedding))
         return BatchTextOut(items)
 
 

@@ -49,6 +49,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the grammar applies after the output's first run of these tokens (a reasoning model's end of
     # thinking: its answer is what must match); empty: from the first output token
     grammar_after: list[int] = []
+    # return the prompt's embedding: the model's final hidden state (after its last norm) at the
+    # last prompt position, as float32 (TokenDelta.embedding); last-token pooling
+    embedding: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -260,6 +263,9 @@ class BatchResult(msgspec.Struct, tag=True):
     dllm: "DllmResult | None" = None  # the rounds' outcome, for a DllmStep
     # per prompt_logprob_rows entry: the logprobs of the prompt tokens after its chunk's positions
     prompt_logprobs: list[list[TokenLogprobs]] = []
+    # one per sample row when any row asked (SamplingParams.embedding): its final hidden state as
+    # float32 bytes, b"" for the others
+    embeddings: list[bytes] = []
 
 
 class DllmResult(msgspec.Struct, array_like=True):
@@ -296,6 +302,7 @@ class TokenDelta(msgspec.Struct, omit_defaults=True):
     logprobs: list[TokenLogprobs] = []  # one per new id when the request asked
     cached_tokens: int = 0  # prompt tokens it did not compute (shared from another request)
     prompt_logprobs: list[TokenLogprobs] = []  # (once, with the first output) of prompt tokens 2..n
+    embedding: bytes = b""  # (once, with the first output) float32, where SamplingParams.embedding asked
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -313,6 +320,7 @@ class TextDelta(msgspec.Struct, omit_defaults=True):
     logprobs: list[TokenLogprobs] = []
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = []
+    embedding: bytes = b""
 
 
 class BatchTextOut(msgspec.Struct, tag=True):

@@ -239,11 +239,12 @@ class SchedulerCore:
             return "kv-short"
         return None
 
-    def on_result(self, batch: ScheduleBatch, next_token_ids: Iterable[int],
-                  logprobs: list | None = None, prompt_logprobs: list | None = None) -> list[ReqOutput]:
+    def on_result(self, batch: ScheduleBatch, next_token_ids: Iterable[int], logprobs: list | None = None,
+                  prompt_logprobs: list | None = None, embeddings: list | None = None) -> list[ReqOutput]:
         """Apply a step's sampled tokens (one per sampling row, in row order) and, for requests
-        that asked, their logprobs (opaque to the core; kept aligned with output_ids) and the
-        prompt logprobs of batch.prompt_logprob_rows (a list per row, from its first position)."""
+        that asked, their logprobs (opaque to the core; kept aligned with output_ids), the
+        prompt logprobs of batch.prompt_logprob_rows (a list per row, from its first position)
+        and their embeddings (one per sampling row, opaque)."""
         outputs: list[ReqOutput] = []
         if self.config.pipeline_stages > 1:
             for row in batch.rows:
@@ -256,10 +257,11 @@ class SchedulerCore:
                 table[position] = entry
         tokens = iter(next_token_ids)
         lps = iter(logprobs or ())
+        embedded = iter(embeddings or ())
         for row in batch.rows:
             if not row.samples:
                 continue  # a prompt chunk that samples nothing
-            req, token, lp = row.req, next(tokens), next(lps, None)
+            req, token, lp, embedding = row.req, next(tokens), next(lps, None), next(embedded, None)
             if req.state is ReqState.FINISHED:
                 continue  # aborted while in flight, or found finished by the step before
             # (a request retracted while this step ran is WAITING: its token still counts)
@@ -267,6 +269,8 @@ class SchedulerCore:
             produced = row.output_index + 1
             if lp is not None:
                 req.output_logprobs.append(lp)
+            if embedding and not req.embedding:
+                req.embedding = embedding
             finish = self._check_finish(req, token, produced)
             if finish is not None:
                 del req.output_ids[produced:]  # a later step's placeholder: that token is not wanted

@@ -188,7 +188,8 @@ class SchedulerProcess:
                 skip_special_tokens=r.sampling.skip_special_tokens, retractions=r.retractions,
                 logprobs=r.output_logprobs[first:r.sent_ids] if r.sampling.logprobs else [],
                 cached_tokens=r.cached_tokens,
-                prompt_logprobs=r.prompt_logprobs if first == 0 and r.sampling.prompt_logprobs is not None else []))
+                prompt_logprobs=r.prompt_logprobs if first == 0 and r.sampling.prompt_logprobs is not None else [],
+                embedding=r.embedding if first == 0 else b""))
         if items:
             self.detokenizer.send(BatchTokenOut(items))
 
@@ -259,7 +260,8 @@ class SchedulerProcess:
         if result.dllm is not None:
             self.emit(self.core.on_dllm_result(batch, result.dllm))
         else:
-            self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs, result.prompt_logprobs))
+            self.emit(self.core.on_result(batch, result.next_token_ids, result.logprobs, result.prompt_logprobs,
+                                          result.embeddings))
         self.step_log.on_applied(batch, self.clock(), after_idle, result.forward_s)
 
     def idle_wait(self) -> None:

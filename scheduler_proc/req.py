@@ -38,6 +38,7 @@ class Req:
     sent_ids: int = 0  # output ids the core has handed out (ReqOutput.new_ids)
     streamed_ids: int = 0  # of those, sent on to the detokenizer (a stream interval holds some back)
     output_logprobs: list = field(default_factory=list)  # per output id, when the request asked
+    embedding: bytes = b""  # with sampling.embedding: the prompt's (opaque here), from its first sample
     # with sampling.prompt_logprobs: entry p (opaque here) is prompt token p + 1's, None until a
     # step computed it; the prefix cache is not matched while any is missing
     prompt_logprobs: list = field(default_factory=list)

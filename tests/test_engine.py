@@ -186,3 +186,23 @@ def test_chat_returns_what_the_chat_route_returns(engine):
     assert all(c["usage"]["completion_tokens"] > 0 for c in several)
     with pytest.raises(ValueError, match="tool_choice"):
         engine.chat(question, tool_choice="required")
+
+
+def test_encode_gives_the_final_hidden_state_at_the_last_token(engine, hf_smollm2, smollm2_tokenizer):
+    """Embeddings (last-token pooling) against HF's last hidden state; the same prompt again
+    starts on its cached KV and gives the same vector."""
+    import numpy as np
+    import torch
+
+    texts = ["The capital of France is Paris.", "A turtle named Sheldon swims in the sea at dawn."]
+    raw = engine.encode(texts, normalize=False)
+    with torch.no_grad():
+        for text, got in zip(texts, raw):
+            ids = smollm2_tokenizer.encode(text)
+            want = hf_smollm2.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+            assert np.linalg.norm(np.asarray(got) - want) < 1e-3 * np.linalg.norm(want)
+    again = engine.generate(texts[0], {"embedding": True})
+    assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == [] and again["text"] == ""
+    np.testing.assert_allclose(again["embedding"], raw[0], rtol=1e-4, atol=1e-4)
+    unit = engine.encode(texts[1])
+    assert abs(np.linalg.norm(unit) - 1) < 1e-5 and np.allclose(unit, raw[1] / np.linalg.norm(raw[1]), atol=1e-6)

@@ -324,3 +324,32 @@ def test_prompt_logprobs_for_loglikelihood(client, model, server, hf_smollm2, sm
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1, stream=True)
     assert e.value.body["param"] == "stream"
+
+
+def test_embeddings_through_the_sdk(server, client, model):
+    texts = ["The capital of France is Paris.", "Paris is the capital of France.", "Turtles swim slowly."]
+    r = client.embeddings.create(model=model, input=texts)  # (the SDK asks for base64 and decodes it)
+    vectors = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and all(len(v) == 576 for v in vectors)
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-4 for v in vectors)
+    similarity = [sum(a * b for a, b in zip(vectors[0], v)) for v in vectors[1:]]
+    assert similarity[0] > similarity[1]  # (the paraphrase is nearer than the turtles)
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 0
+    floats = httpx.post(server.url + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                        json={"input": texts[0], "encoding_format": "float", "dimensions": 64}).json()
+    short = floats["data"][0]["embedding"]
+    assert len(short) == 64 and abs(sum(x * x for x in short) - 1) < 1e-4
+    head = vectors[0][:64]
+    assert max(abs(a - b / sum(x * x for x in head) ** 0.5) for a, b in zip(short, head)) < 1e-4
+    ids = client.embeddings.create(model=model, input=[[1, 2, 3, 4]]).data[0].embedding
+    assert len(ids) == 576
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [1, "a"]}, "input"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"), ({"input": "hi", "dimensions": 0}, "dimensions"),
+    ({"input": "hi", "dimensions": 100000}, "dimensions"), ({"input": [[99999999]]}, "input"),
+])
+def test_bad_embeddings_requests_are_a_400_naming_the_field(server, body, field):
+    r = httpx.post(server.url + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inproc import TINY_ARCHS, build_tiny_checkpoint, generate_greedy
+from inproc import TINY_ARCHS, build_tiny_checkpoint, generate_greedy, run_to_completion
+from ipc.messages import SamplingParams
+from scheduler_proc.core import SchedulerConfig, SchedulerCore
+from scheduler_proc.req import Req
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 40)
@@ -296,3 +299,20 @@ def test_kv_cache_dtype_choices():
             resolve_kv_dtype(name, compute)
     with pytest.raises(ValueError, match="choose auto"):
         resolve_kv_dtype("fp8", f32)
+
+
+def test_embeddings_match_the_final_hidden_state(tiny):
+    """SamplingParams.embedding: the final hidden state (after the last norm) at each prompt's last
+    token, as HF's last hidden state; beside a generating request, the 40-token prompt in chunks."""
+    reqs = [Req(f"e{i}", list(p), SamplingParams(max_new_tokens=1, temperature=0.0, embedding=True))
+            for i, p in enumerate(tiny.prompts)]
+    beside = Req("g", list(tiny.prompts[0]), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    run_to_completion(tiny.runner, SchedulerCore(SchedulerConfig(
+        max_total_tokens=tiny.runner.num_slots, max_running_requests=8, max_prefill_tokens=16,
+        chunked_prefill_size=16, max_context_len=tiny.runner.context_len, eos_token_ids=())), [beside, *reqs])
+    assert beside.output_ids == tiny.hf_out[0][:4] and not beside.embedding
+    with torch.no_grad():
+        for req, p in zip(reqs, tiny.prompts):
+            want = tiny.hf(torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0, -1]
+            got = torch.frombuffer(bytearray(req.embedding), dtype=torch.float32)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -24,6 +24,7 @@ SAMPLING_PARAMS = {
         "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _INT, "stream_interval": _INT,
         "json_schema": {"type": ["string", "object", "null"]}, "json_object": {"type": ["boolean", "null"]},
         "regex": _TEXT, "ebnf": _TEXT, "choice": _CHOICES, "prompt_logprobs": _INT,
+        "embedding": {"type": ["boolean", "null"]},
         "grammar_after": {"type": ["array", "null"], "items": {"type": "integer"}},
     },
     "additionalProperties": False,
@@ -112,6 +113,18 @@ CHAT_COMPLETION = {
         # a reasoning model's thinking (--reasoning-parser): SGLang's split switch, vLLM's keep switch
         "separate_reasoning": {"type": ["boolean", "null"]}, "include_reasoning": {"type": ["boolean", "null"]},
         **_OPENAI_SAMPLING,
+    },
+}
+
+EMBEDDING = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "input": COMPLETION["properties"]["prompt"], "model": {"type": ["string", "null"]},
+        "encoding_format": {"type": ["string", "null"], "enum": ["float", "base64", None]},
+        "dimensions": _INT, "user": {"type": ["string", "null"]},
+        # vLLM's extras
+        "normalize": {"type": ["boolean", "null"]}, "truncate_prompt_tokens": _INT,
     },
 }
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import msgspec
+import numpy as np
 import regex
 import zmq
 import zmq.asyncio
@@ -52,7 +53,8 @@ class ReqState:
     logprobs: list = field(default_factory=list)  # TokenLogprobs per output id, when asked
     prompt_ids: list[int] | None = None  # with prompt_logprobs
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt token after the first
-    no_output: bool = False  # max_new_tokens 0 with prompt logprobs: the prompt runs, its one token is dropped
+    no_output: bool = False  # max_new_tokens 0 with prompt logprobs, or an embedding: the prompt runs, its one token is dropped
+    embedding: bytes = b""  # float32, where sampling.embedding asked
     event: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -285,6 +287,9 @@ class TokenizerManager:
         if self.diffusion and (sp.logprobs or sp.top_logprobs or sp.prompt_logprobs is not None):
             raise RequestError("sampling_params.logprobs: not available with --dllm-algorithm (a diffusion model "
                                "fills a block's positions over several rounds)")
+        if self.diffusion and sp.embedding:
+            raise RequestError("sampling_params.embedding: not available with --dllm-algorithm (a diffusion model's "
+                               "steps return filled blocks, not hidden states)")
         if self.diffusion and sp.has_grammar:
             raise RequestError("sampling_params: structured output (json_schema, regex, ebnf, choice) is not "
                                "available with --dllm-algorithm (a diffusion model fills a block's positions at once)")
@@ -325,6 +330,9 @@ class TokenizerManager:
             state.prompt_ids = ids
             if sp.max_new_tokens == 0:  # (the prompt's logits are computed by a step that samples)
                 state.no_output, sp = True, msgspec.structs.replace(sp, max_new_tokens=1, min_new_tokens=0)
+        if sp.embedding:  # (a prompt-only request: the step that would sample its first token has the state)
+            state.no_output, sp = True, msgspec.structs.replace(sp, max_new_tokens=1, min_new_tokens=0,
+                                                                temperature=0.0, ignore_eos=True)
         if sp.max_new_tokens == 0:
             state.finish = FinishReason("length")
             yield self._result(state)
@@ -427,6 +435,7 @@ class TokenizerManager:
         return {
             "text": state.text,
             "output_ids": list(state.output_ids),
+            **({"embedding": np.frombuffer(state.embedding, dtype=np.float32).tolist()} if state.embedding else {}),
             "meta_info": {
                 "id": state.rid,
                 "prompt_tokens": state.prompt_tokens,
@@ -476,6 +485,8 @@ class TokenizerManager:
                     state.last_token_at = now
                 if d.prompt_logprobs:
                     state.prompt_logprobs = d.prompt_logprobs
+                if d.embedding:
+                    state.embedding = d.embedding
                 if not state.no_output:
                     state.text += d.text
                     state.output_ids.extend(d.new_ids)

@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's
-/tokenize and /detokenize.
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
+and vLLM's /tokenize and /detokenize.
 
 Requests are read leniently, as the OpenAI spec allows (null for any optional field, chat content
 as a string or a list of parts) plus the extras vLLM / SGLang clients send (top_k, min_p,
@@ -15,17 +15,19 @@ answer (reasoning.py), and `chat_template_kwargs` reach the template (Qwen3's en
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 import msgspec
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ipc.messages import STRUCTURED_OUTPUT_FIELDS, SamplingParams
-from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, DETOKENIZE, TOKENIZE, request_body
+from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, DETOKENIZE, EMBEDDING, TOKENIZE, request_body
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
 from tokenizer_proc.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
@@ -373,6 +375,59 @@ class OpenAIServing:
             sampling["grammar_after"] = self.reasoning_end_ids
         return prompt, calls, thinking
 
+    # ---- embeddings -----------------------------------------------------------------------
+
+    async def embeddings(self, body: dict) -> dict:
+        """OpenAI's /v1/embeddings: each input's embedding, the model's final hidden state (after
+        its last norm) at the input's last token, L2-normalized (as decoder embedding models such
+        as Qwen3-Embedding are used); `dimensions` keeps the first ones (Matryoshka), then
+        normalizes; `encoding_format` float or base64 (little-endian float32, which the OpenAI
+        client asks for by default)."""
+        model = self.check_model(body)
+        inputs = _embedding_inputs(body.get("input"))
+        if len(inputs) > MAX_CHOICES:
+            raise ApiError(400, f"{len(inputs)} inputs: at most {MAX_CHOICES} in one request", "input")
+        encoding = _field(body, "encoding_format", str, "float")
+        if encoding not in ("float", "base64"):
+            raise ApiError(400, f"'encoding_format' must be float or base64, got '{encoding}'", "encoding_format")
+        dimensions = _field(body, "dimensions", int)
+        if dimensions is not None and dimensions < 1:
+            raise ApiError(400, "'dimensions' must be at least 1", "dimensions")
+        normalize = _field(body, "normalize", bool, True)  # (vLLM's extra)
+        keep = _field(body, "truncate_prompt_tokens", int)  # (vLLM's extra: the last k tokens of each input)
+        if keep is not None and keep < 1:
+            raise ApiError(400, "'truncate_prompt_tokens' must be at least 1", "truncate_prompt_tokens")
+        try:
+            encoded = [self.manager.tokenize(p, None, "input") if isinstance(p, str)
+                       else self.manager.tokenize(None, p, "input") for p in inputs]
+        except RequestError as e:
+            raise ApiError(400, f"input: {e}", "input") from None
+        encoded = [ids[-keep:] if keep else ids for ids in encoded]
+        for ids in encoded:
+            if not ids:
+                raise ApiError(400, "an input is empty", "input")
+            if len(ids) >= self.context_len:
+                raise ApiError(400, f"input: an input has {len(ids)} tokens; the context length is "
+                                    f"{self.context_len}", "input")
+        self.manager.ensure_capacity(len(encoded))
+        outs = await asyncio.gather(*(self.manager.generate_final(input_ids=ids, sampling={"embedding": True})
+                                      for ids in encoded))
+        data = []
+        for i, out in enumerate(outs):
+            vector = np.asarray(out["embedding"], dtype=np.float32)
+            if dimensions is not None:
+                if dimensions > len(vector):
+                    raise ApiError(400, f"'dimensions' is at most {len(vector)} for this model", "dimensions")
+                vector = vector[:dimensions]
+            if normalize:
+                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+            data.append({"object": "embedding", "index": i,
+                         "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                         if encoding == "base64" else vector.tolist()})
+        tokens = sum(map(len, encoded))
+        return {"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     # ---- tokenize / detokenize -----------------------------------------------------------
 
     async def tokenize(self, body: dict) -> dict:
@@ -595,6 +650,21 @@ class OpenAIServing:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _embedding_inputs(value: Any) -> list[str | list[int]]:
+    """/v1/embeddings' `input`: a string, a list of strings, token ids, or lists of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return list(value)
+        if all(type(t) is int for t in value):
+            return [value]
+        if all(isinstance(v, list) and v and all(type(t) is int for t in v) for v in value):
+            return list(value)
+    raise ApiError(400, "'input' must be a string, a list of strings, a list of token ids or a list of lists of "
+                        "token ids", "input")
+
+
 def _delta(thought: dict, content: str) -> dict:
     """A chat chunk's delta: its thinking and its content (left out when empty beside thinking)."""
     return {**thought, "content": content} if content or not thought else thought
@@ -779,6 +849,7 @@ def build_router(serving: OpenAIServing) -> APIRouter:
 
     for path, schema, method in (("/v1/completions", COMPLETION, serving.completions),
                                  ("/v1/chat/completions", CHAT_COMPLETION, serving.chat),
+                                 ("/v1/embeddings", EMBEDDING, serving.embeddings),
                                  ("/tokenize", TOKENIZE, serving.tokenize),
                                  ("/detokenize", DETOKENIZE, serving.detokenize)):
         router.add_api_route(path, route(method), methods=["POST"], openapi_extra=request_body(schema),

@@ -208,6 +208,7 @@ class ModelRunner:
         self.futures = FutureMap(rc.max_running_requests)  # sampled ids a later step references
         self.grammars = GrammarMasks(rc.model_dir, self.config.vocab_size, self.eos_token_ids)
         self.prompt_logprobs: list[list[TokenLogprobs]] = []  # the last step's (forward_with_logprobs)
+        self.embeddings: list[bytes] = []  # the last step's, per sample row where any asked (float32 bytes)
         self.graphs = None
         if self.on_gpu and rc.cuda_graph_max_bs > 0 and self.attention_backend == "triton":
             if tp.size > 1 or pp.size > 1:
@@ -236,8 +237,9 @@ class ModelRunner:
     def forward_with_logprobs(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sampled ids (one per sample row) and, when any row asked, their logprobs; they are also
         kept in the future map, where a later step's input references find them. The prompt
-        logprobs of the step's prompt_logprob_rows are left in `prompt_logprobs`."""
-        self.prompt_logprobs = []
+        logprobs of the step's prompt_logprob_rows are left in `prompt_logprobs`, and the sample
+        rows' embeddings, where any asked, in `embeddings`."""
+        self.prompt_logprobs, self.embeddings = [], []
         ids, logprobs = self._forward(batch)
         if self.tp.size > 1 and batch.share_samples:  # every rank's map needs them
             ids = self.tp.broadcast_ids(ids, len(batch.future_slots))
@@ -260,15 +262,20 @@ class ModelRunner:
             fb.logit_rows = torch.cat([fb.logit_rows] + [
                 torch.arange(int(fb.token_starts[r]), int(fb.token_starts[r] + fb.extend_lens[r]))
                 for r in batch.prompt_logprob_rows])
+        embed = any(p.embedding for p in batch.sampling)
         if self.staging is None:
             self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
             self.attn.prepare(fb)
-            model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows, hidden)
+            model_logits = self.model(fb.input_ids, fb.positions, self.attn, fb.logit_rows, hidden, embed)
         else:
-            model_logits = self._forward_on_device(fb, hidden)
+            model_logits = self._forward_on_device(fb, hidden, embed)
         if not self.pp.is_last:
             self.pp.send(*model_logits)
             return [], []
+        if embed:
+            model_logits, final_hidden = model_logits
+            rows = final_hidden[:sampled_rows].float().cpu().numpy()
+            self.embeddings = [rows[i].tobytes() if p.embedding else b"" for i, p in enumerate(batch.sampling)]
         if model_logits is None:  # (a tensor-parallel rank other than 0)
             return [], []
         if batch.prompt_logprob_rows:
@@ -322,14 +329,14 @@ class ModelRunner:
             out.append([TokenLogprobs(c, a) for c, a in zip(chosen, alternatives)])
         return out
 
-    def _forward_on_device(self, fb: ForwardBatch, hidden=None):
+    def _forward_on_device(self, fb: ForwardBatch, hidden=None, return_hidden: bool = False):
         """The forward pass with the step's tensors on the device: one upload of its tables, one
         scatter into req_to_token, then a CUDA graph's replay (a decode step it covers) or the
         eager model."""
         self.staging.begin_step()
         n = len(fb.extend_lens)
         req_of_token = np.repeat(fb.req_pool_indices, fb.extend_lens)
-        if self.graphs is not None and n <= self.graphs.max_bs and len(fb.input_ids) == n:
+        if self.graphs is not None and n <= self.graphs.max_bs and len(fb.input_ids) == n and not return_hidden:
             bs = self.graphs.padded_size(n)
             pad = bs - n
             ids, positions, loc, reqs, lens, logit_rows = self.staging.upload([
@@ -344,7 +351,7 @@ class ModelRunner:
         self.pool.write_rows(reqs, positions, loc)
         fb.input_ids, fb.positions, fb.out_cache_loc, fb.logit_rows = ids, positions, loc, logit_rows
         self.attn.prepare(fb)
-        return self.model(ids, positions, self.attn, logit_rows, hidden)
+        return self.model(ids, positions, self.attn, logit_rows, hidden, return_hidden)
     @torch.inference_mode()
     def forward_dllm(self, batch: ModelWorkerBatch):
         """A step of block-diffusion rounds (worker_proc/dllm.py): the rows' blocks, accept

@@ -131,7 +131,8 @@ def main(config: ChildConfig, report_ready) -> None:
             # (forward_s leaves out the wait for the previous stage: the stages' times overlap)
             results.send(BatchResult(msg.step, ids, last_end - t - (pp.wait_s - pp_wait), logprobs,
                                      tp.collective_s - collective, gap, dllm,
-                                     runner.prompt_logprobs if msg.dllm is None else []))
+                                     runner.prompt_logprobs if msg.dllm is None else [],
+                                     runner.embeddings if msg.dllm is None else []))
 
 
 class StepTrace:

@@ -168,13 +168,15 @@ class CausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, logit_rows: torch.Tensor,
-        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None, return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        """Logits, in the model's dtype, of the token rows in `logit_rows`. A pipeline stage after
-        the first starts from `hidden` (the previous stage's hidden state and residual); one before
-        the last returns its own."""
+        """Logits, in the model's dtype, of the token rows in `logit_rows`; with `return_hidden`,
+        (logits, the final hidden states of those rows after the last norm). A pipeline stage
+        after the first starts from `hidden` (the previous stage's hidden state and residual); one
+        before the last returns its own."""
         run_model = getattr(attn, "run_model", None)
-        if self.layer_stack is not None and run_model is not None and len(input_ids) <= self.layer_stack_rows:
+        if (self.layer_stack is not None and run_model is not None and len(input_ids) <= self.layer_stack_rows
+                and not return_hidden):  # (the compiled stack runs through to the logits)
             logits = run_model(self.layer_stack, input_ids, logit_rows, positions, self.rotary.cos, self.rotary.sin)
             return self.tp.gather_vocab(logits, self.config.vocab_size)
         x, residual = (self._embed(input_ids), None) if hidden is None else hidden
@@ -183,7 +185,8 @@ class CausalLM(nn.Module):
         if not self.is_last_stage:
             return x, residual
         h, _ = self.ops.add_rms_norm(x[logit_rows], residual[logit_rows], self.norm.weight, self.norm.eps)
-        return self.tp.gather_vocab(self.lm_head(h), self.config.vocab_size)
+        logits = self.tp.gather_vocab(self.lm_head(h), self.config.vocab_size)
+        return (logits, h) if return_hidden else logits
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
