@@ -353,3 +353,25 @@ def test_embeddings_through_the_sdk(server, client, model):
 def test_bad_embeddings_requests_are_a_400_naming_the_field(server, body, field):
     r = httpx.post(server.url + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_score_and_rerank_by_embedding_similarity(server, client, model):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    docs = ["Turtles swim slowly.", "Paris is the capital of France.", "The capital of France is Paris."]
+    vectors = [d.embedding for d in client.embeddings.create(model=model, input=docs).data]
+    cosine = [sum(a * b for a, b in zip(vectors[2], v)) for v in vectors]
+    r = httpx.post(server.url + "/score", headers=auth, timeout=60, json={"text_1": docs[2], "text_2": docs}).json()
+    assert [d["index"] for d in r["data"]] == [0, 1, 2] and r["usage"]["prompt_tokens"] > 0
+    assert max(abs(d["score"] - c) for d, c in zip(r["data"], cosine)) < 1e-4 and abs(cosine[2] - 1) < 1e-4
+    pairs = httpx.post(server.url + "/v1/score", headers=auth, timeout=60,
+                       json={"text_1": docs[:2], "text_2": docs[1:]}).json()
+    assert abs(pairs["data"][1]["score"] - cosine[1]) < 1e-4
+    ranked = httpx.post(server.url + "/v1/rerank", headers=auth, timeout=60,
+                        json={"query": docs[2], "documents": docs, "top_n": 2}).json()["results"]
+    assert [x["index"] for x in ranked] == sorted(range(3), key=lambda i: -cosine[i])[:2]
+    assert ranked[0]["document"] == {"text": docs[2]} and ranked[0]["relevance_score"] >= ranked[1]["relevance_score"]
+    bad = httpx.post(server.url + "/rerank", headers=auth, timeout=60, json={"query": "q", "documents": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
+    bad = httpx.post(server.url + "/score", headers=auth, timeout=60,
+                     json={"text_1": ["a", "b"], "text_2": ["a", "b", "c"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"

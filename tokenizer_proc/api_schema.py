@@ -128,6 +128,25 @@ EMBEDDING = {
     },
 }
 
+_TEXTS = EMBEDDING["properties"]["input"]
+SCORE = {
+    "type": "object",
+    "required": ["text_1", "text_2"],
+    "properties": {"text_1": _TEXTS, "text_2": _TEXTS, "model": {"type": ["string", "null"]},
+                   "truncate_prompt_tokens": _INT},
+}
+
+RERANK = {
+    "type": "object",
+    "required": ["query", "documents"],
+    "properties": {
+        "query": {"type": "string"}, "model": {"type": ["string", "null"]}, "top_n": _INT,
+        "documents": {"type": "array", "items": {"anyOf": [{"type": "string"}, {
+            "type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}},
+        "return_documents": {"type": ["boolean", "null"]}, "truncate_prompt_tokens": _INT,
+    },
+}
+
 TOKENIZE = {
     "type": "object",
     "properties": {

@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
-and vLLM's /tokenize and /detokenize.
+and vLLM's /tokenize, /detokenize, /score and /rerank (embedding similarity).
 
 Requests are read leniently, as the OpenAI spec allows (null for any optional field, chat content
 as a string or a list of parts) plus the extras vLLM / SGLang clients send (top_k, min_p,
@@ -27,7 +27,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ipc.messages import STRUCTURED_OUTPUT_FIELDS, SamplingParams
-from tokenizer_proc.api_schema import CHAT_COMPLETION, COMPLETION, DETOKENIZE, EMBEDDING, TOKENIZE, request_body
+from tokenizer_proc.api_schema import (CHAT_COMPLETION, COMPLETION, DETOKENIZE, EMBEDDING, RERANK, SCORE, TOKENIZE,
+                                       request_body)
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
 from tokenizer_proc.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
@@ -384,9 +385,7 @@ class OpenAIServing:
         normalizes; `encoding_format` float or base64 (little-endian float32, which the OpenAI
         client asks for by default)."""
         model = self.check_model(body)
-        inputs = _embedding_inputs(body.get("input"))
-        if len(inputs) > MAX_CHOICES:
-            raise ApiError(400, f"{len(inputs)} inputs: at most {MAX_CHOICES} in one request", "input")
+        inputs = _embedding_inputs(body.get("input"), "input")
         encoding = _field(body, "encoding_format", str, "float")
         if encoding not in ("float", "base64"):
             raise ApiError(400, f"'encoding_format' must be float or base64, got '{encoding}'", "encoding_format")
@@ -394,39 +393,84 @@ class OpenAIServing:
         if dimensions is not None and dimensions < 1:
             raise ApiError(400, "'dimensions' must be at least 1", "dimensions")
         normalize = _field(body, "normalize", bool, True)  # (vLLM's extra)
-        keep = _field(body, "truncate_prompt_tokens", int)  # (vLLM's extra: the last k tokens of each input)
+        vectors, tokens = await self._embed(inputs, "input", body)
+        if dimensions is not None:
+            if dimensions > vectors.shape[1]:
+                raise ApiError(400, f"'dimensions' is at most {vectors.shape[1]} for this model", "dimensions")
+            vectors = vectors[:, :dimensions]
+        if normalize:
+            vectors = _unit(vectors)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64"
+                 else v.tolist()} for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def score(self, body: dict) -> dict:
+        """vLLM's /score for an embedding model: the cosine similarity of text_1 with each text_2
+        (one text_1 against a list, or two lists pair by pair)."""
+        model = self.check_model(body)
+        first = _embedding_inputs(body.get("text_1"), "text_1")
+        second = _embedding_inputs(body.get("text_2"), "text_2")
+        if len(first) != 1 and len(first) != len(second):
+            raise ApiError(400, f"'text_1' has {len(first)} texts and 'text_2' {len(second)}: give one text_1, or "
+                                "as many as text_2", "text_1")
+        vectors, tokens = await self._embed(first + second, "text_1", body)
+        a, b = _unit(vectors[:len(first)]), _unit(vectors[len(first):])
+        scores = (a * b).sum(axis=1) if len(first) > 1 else b @ a[0]
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+                "data": [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def rerank(self, body: dict) -> dict:
+        """The rerank API (Jina's and Cohere's shape, as vLLM serves it) for an embedding model: the
+        documents by their cosine similarity to the query, most relevant first, top_n of them."""
+        model = self.check_model(body)
+        query = _field(body, "query", str)
+        if not query:
+            raise ApiError(400, "'query' must be a non-empty string", "query")
+        documents = _field(body, "documents", list)
+        if not documents or not all(isinstance(d, str) or (isinstance(d, dict) and isinstance(d.get("text"), str))
+                                    for d in documents):
+            raise ApiError(400, "'documents' must be a non-empty list of strings (or {'text': ...} objects)",
+                           "documents")
+        texts = [d if isinstance(d, str) else d["text"] for d in documents]
+        top_n = _field(body, "top_n", int, len(texts))
+        if top_n < 1:
+            raise ApiError(400, "'top_n' must be at least 1", "top_n")
+        vectors, tokens = await self._embed([query] + texts, "documents", body)
+        unit = _unit(vectors)
+        scores = unit[1:] @ unit[0]
+        order = np.argsort(-scores, kind="stable")[:top_n]
+        keep = _field(body, "return_documents", bool, True)
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {"total_tokens": tokens},
+                "results": [{"index": int(i), "relevance_score": float(scores[i]),
+                             **({"document": {"text": texts[i]}} if keep else {})} for i in order]}
+
+    async def _embed(self, inputs: list[str | list[int]], field: str, body: dict) -> tuple[np.ndarray, int]:
+        """The inputs' embeddings ([n, hidden] float32, not normalized) and their token count;
+        vLLM's truncate_prompt_tokens keeps each input's last k tokens."""
+        if len(inputs) > MAX_CHOICES:
+            raise ApiError(400, f"{len(inputs)} inputs: at most {MAX_CHOICES} in one request", field)
+        keep = _field(body, "truncate_prompt_tokens", int)
         if keep is not None and keep < 1:
             raise ApiError(400, "'truncate_prompt_tokens' must be at least 1", "truncate_prompt_tokens")
         try:
-            encoded = [self.manager.tokenize(p, None, "input") if isinstance(p, str)
-                       else self.manager.tokenize(None, p, "input") for p in inputs]
+            encoded = [self.manager.tokenize(p, None, field) if isinstance(p, str)
+                       else self.manager.tokenize(None, p, field) for p in inputs]
         except RequestError as e:
-            raise ApiError(400, f"input: {e}", "input") from None
+            raise ApiError(400, f"{field}: {e}", field) from None
         encoded = [ids[-keep:] if keep else ids for ids in encoded]
         for ids in encoded:
             if not ids:
-                raise ApiError(400, "an input is empty", "input")
+                raise ApiError(400, f"{field}: a text is empty", field)
             if len(ids) >= self.context_len:
-                raise ApiError(400, f"input: an input has {len(ids)} tokens; the context length is "
-                                    f"{self.context_len}", "input")
+                raise ApiError(400, f"{field}: a text has {len(ids)} tokens; the context length is "
+                                    f"{self.context_len}", field)
         self.manager.ensure_capacity(len(encoded))
         outs = await asyncio.gather(*(self.manager.generate_final(input_ids=ids, sampling={"embedding": True})
                                       for ids in encoded))
-        data = []
-        for i, out in enumerate(outs):
-            vector = np.asarray(out["embedding"], dtype=np.float32)
-            if dimensions is not None:
-                if dimensions > len(vector):
-                    raise ApiError(400, f"'dimensions' is at most {len(vector)} for this model", "dimensions")
-                vector = vector[:dimensions]
-            if normalize:
-                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-            data.append({"object": "embedding", "index": i,
-                         "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode()
-                         if encoding == "base64" else vector.tolist()})
-        tokens = sum(map(len, encoded))
-        return {"object": "list", "data": data, "model": model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return np.asarray([out["embedding"] for out in outs], dtype=np.float32), sum(map(len, encoded))
 
     # ---- tokenize / detokenize -----------------------------------------------------------
 
@@ -650,8 +694,13 @@ class OpenAIServing:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _embedding_inputs(value: Any) -> list[str | list[int]]:
-    """/v1/embeddings' `input`: a string, a list of strings, token ids, or lists of token ids."""
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    """Each row over its L2 norm."""
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+
+
+def _embedding_inputs(value: Any, field: str) -> list[str | list[int]]:
+    """Texts to embed: a string, a list of strings, token ids, or lists of token ids."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
@@ -661,8 +710,8 @@ def _embedding_inputs(value: Any) -> list[str | list[int]]:
             return [value]
         if all(isinstance(v, list) and v and all(type(t) is int for t in v) for v in value):
             return list(value)
-    raise ApiError(400, "'input' must be a string, a list of strings, a list of token ids or a list of lists of "
-                        "token ids", "input")
+    raise ApiError(400, f"'{field}' must be a string, a list of strings, a list of token ids or a list of lists of "
+                        "token ids", field)
 
 
 def _delta(thought: dict, content: str) -> dict:
@@ -850,6 +899,9 @@ def build_router(serving: OpenAIServing) -> APIRouter:
     for path, schema, method in (("/v1/completions", COMPLETION, serving.completions),
                                  ("/v1/chat/completions", CHAT_COMPLETION, serving.chat),
                                  ("/v1/embeddings", EMBEDDING, serving.embeddings),
+                                 ("/score", SCORE, serving.score), ("/v1/score", SCORE, serving.score),
+                                 ("/rerank", RERANK, serving.rerank), ("/v1/rerank", RERANK, serving.rerank),
+                                 ("/v2/rerank", RERANK, serving.rerank),
                                  ("/tokenize", TOKENIZE, serving.tokenize),
                                  ("/detokenize", DETOKENIZE, serving.detokenize)):
         router.add_api_route(path, route(method), methods=["POST"], openapi_extra=request_body(schema),
