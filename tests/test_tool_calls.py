@@ -270,3 +270,15 @@ def test_a_developer_message_is_a_system_message(smollm2_tokenizer):
     for role in ("developer", "system"):
         _chat(serving, {"messages": [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]})
     assert manager.prompts[0] == manager.prompts[1] and "Answer in French." in manager.prompts[0]
+
+
+def test_continue_final_message_continues_the_assistant_s_start(smollm2_tokenizer):
+    serving, manager = _serving(smollm2_tokenizer, [" Paris."])
+    start = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is"}]
+    r = _chat(serving, {"messages": start, "continue_final_message": True})
+    assert manager.prompts[0].endswith("<|im_start|>assistant\nIt is") and r["choices"][0]["message"]["content"] == " Paris."
+    for body in ({"messages": start, "continue_final_message": True, "add_generation_prompt": True},
+                 {"messages": start[:1], "continue_final_message": True}):
+        with pytest.raises(ApiError) as e:
+            _chat(serving, body)
+        assert e.value.status == 400 and e.value.param == "continue_final_message"

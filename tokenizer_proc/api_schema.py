@@ -109,7 +109,7 @@ CHAT_COMPLETION = {
                                       "function": {"type": "object", "required": ["name"],
                                                    "properties": {"name": {"type": "string"}}}}}]},
         "parallel_tool_calls": {"type": ["boolean", "null"]}, "add_generation_prompt": {"type": ["boolean", "null"]},
-        "chat_template_kwargs": {"type": ["object", "null"]},
+        "chat_template_kwargs": {"type": ["object", "null"]}, "continue_final_message": {"type": ["boolean", "null"]},
         # a reasoning model's thinking (--reasoning-parser): SGLang's split switch, vLLM's keep switch
         "separate_reasoning": {"type": ["boolean", "null"]}, "include_reasoning": {"type": ["boolean", "null"]},
         **_OPENAI_SAMPLING,

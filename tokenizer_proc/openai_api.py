@@ -351,10 +351,16 @@ class OpenAIServing:
         template = getattr(self.manager.tokenizer, "chat_template", None)
         with_tools = renders_tools(template)
         extra = _template_kwargs(body)
+        # (vLLM's extra: the reply continues the last message, an assistant's start of it)
+        continued = _field(body, "continue_final_message", bool, False)
+        add_prompt = _field(body, "add_generation_prompt", bool, not continued)
+        if continued and (add_prompt or conversation[-1]["role"] != "assistant"):
+            raise ApiError(400, "'continue_final_message' continues a last assistant message, without "
+                                "add_generation_prompt", "continue_final_message")
         try:
             prompt = self.manager.tokenizer.apply_chat_template(
                 template_messages(conversation, tools, fmt, with_tools), tokenize=False,
-                add_generation_prompt=_field(body, "add_generation_prompt", bool, True),
+                add_generation_prompt=add_prompt, continue_final_message=continued,
                 **({"tools": tools} if tools and with_tools else {}), **extra)
         except Exception as e:  # a template that rejects the roles or order
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
