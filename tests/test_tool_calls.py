@@ -282,3 +282,28 @@ def test_continue_final_message_continues_the_assistant_s_start(smollm2_tokenize
         with pytest.raises(ApiError) as e:
             _chat(serving, body)
         assert e.value.status == 400 and e.value.param == "continue_final_message"
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_CALL_FORMATS.names()))
+def test_required_calls_may_be_several_while_parallel(fmt):
+    """Under required with parallel_tool_calls the grammar takes one call or more, each of a tool
+    and its schema; the reply then parses into those calls."""
+    f = TOOL_CALL_FORMATS.make(fmt)
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    grammar = xgr.Grammar.from_ebnf(f.call_grammar([strict_weather, TIME], None, parallel=True))
+    forced = f.forced_prefix(None)
+
+    def reply(*calls):
+        return f.opening + f.between.join(json.dumps({"name": n, f.arguments_key: a}) for n, a in calls) + f.closing
+
+    for calls, ok in [([("get_weather", {"city": "Oslo"})], True),
+                      ([("get_weather", {"city": "Oslo"}), ("get_time", {}), ("get_weather", {"city": "Rome"})], True),
+                      ([("get_time", {}), ("get_weather", {"town": "Rome"})], False),
+                      ([("get_time", {}), ("nope", {})], False)]:
+        text = reply(*calls)
+        assert _is_grammar_accept_string(grammar, text[len(forced):]) == ok, text
+        if ok:
+            assert _calls(f.parse(text, NAMES)[1]) == calls
+    assert not _is_grammar_accept_string(grammar, reply(("get_time", {}))[len(forced):] + f.between)
+    single = xgr.Grammar.from_ebnf(f.call_grammar([strict_weather, TIME], None))
+    assert not _is_grammar_accept_string(single, reply(("get_time", {}), ("get_time", {}))[len(forced):])

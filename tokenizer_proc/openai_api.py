@@ -367,13 +367,14 @@ class OpenAIServing:
         # the reply's start when a call is required: of the function named (or the one tool), or
         # the model names it
         names = frozenset(t["function"]["name"] for t in tools or [])
+        several = tool_choice == "required" and parallel  # (calls after the first: a named function's is one)
         if tool_choice == "required" and len(names) == 1:
             tool_choice = next(iter(names))
         forced = fmt.forced_prefix(None if tool_choice == "required" else tool_choice) \
             if tools and tool_choice not in ("auto", "none") else ""
         prompt += forced
         if forced and sampling is not None and not any(name in sampling for name in STRUCTURED_OUTPUT_FIELDS):
-            grammar = fmt.call_grammar(tools, None if tool_choice == "required" else tool_choice)
+            grammar = fmt.call_grammar(tools, None if tool_choice == "required" else tool_choice, several)
             if grammar is not None:
                 sampling["ebnf"] = grammar
         calls = (fmt, forced, parallel, names) if tools and tool_choice != "none" else None

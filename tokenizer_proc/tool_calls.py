@@ -74,8 +74,10 @@ def _json_values(text: str, separators: str) -> list[Any] | None:
 class ToolCallFormat:
     name: str
     marker: str  # the text that opens the calls
-    # a call as the model writes one: opening + {"name": ..., arguments_key: {...}} + closing
+    # a call as the model writes one: opening + {"name": ..., arguments_key: {...}} + closing; several
+    # calls: `between` after each call's object but the last
     opening = closing = ""
+    between = ""
     arguments_key = "arguments"
 
     def calls_start(self, text: str) -> int | None:
@@ -100,12 +102,13 @@ class ToolCallFormat:
         """The start of a reply that makes it a call (of `function`, or of one the model names)."""
         return self.opening + '{"name": ' + (f'{json.dumps(function)}, "{self.arguments_key}": ' if function else '"')
 
-    def call_grammar(self, tools: list[dict], function: str | None) -> str | None:
+    def call_grammar(self, tools: list[dict], function: str | None, parallel: bool = False) -> str | None:
         """An EBNF grammar (structured output) of the rest of a reply that forced_prefix(function)
         began: one call of `function` (None: of any tool, the model writing the name), its
-        arguments an object of the function's parameters schema, then the call's end. None where
-        the schemas are beyond what a grammar here takes (xgrammar refuses one, or they would
-        compile too long): the reply is then only started as a call."""
+        arguments an object of the function's parameters schema, then, with `parallel`, any
+        number of further calls (of the same functions), then the calls' end. None where the
+        schemas are beyond what a grammar here takes (xgrammar refuses one, or they would compile
+        too long): the reply is then only started as a call."""
         import xgrammar as xgr
 
         from worker_proc.grammar import MAX_GRAMMAR_CHARS, json_schema_grammar, schema_problem
@@ -117,16 +120,25 @@ class ToolCallFormat:
         schemas = [fn.get("parameters") or {"type": "object"} for fn in chosen]
         if schema_problem(schemas) is not None:
             return None
-        calls = []
+        firsts, wholes = [], []
         for fn, schema in zip(chosen, schemas):
             try:  # (properties the schema does not name are allowed unless the function is strict)
                 arguments = json_schema_grammar(json.dumps(schema), strict=bool(fn.get("strict")))
             except RuntimeError:
                 return None
-            name = [] if function else [literal(json.dumps(fn["name"], ensure_ascii=False)[1:]
-                                                + f', "{self.arguments_key}": ')]
-            calls.append(xgr.Grammar.concat(*name, arguments, literal("}" + self.closing)))
-        text = str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
+            named = json.dumps(fn["name"], ensure_ascii=False) + f', "{self.arguments_key}": '
+            firsts.append(xgr.Grammar.concat(*([] if function else [literal(named[1:])]), arguments, literal("}")))
+            wholes.append(xgr.Grammar.concat(literal('{"name": ' + named), arguments, literal("}")))
+        first = firsts[0] if len(firsts) == 1 else xgr.Grammar.union(*firsts)
+        text = str(xgr.Grammar.concat(first, literal(self.closing)) if self.closing else first)
+        if parallel:  # first (between next){0,} closing, from the rules of one union (their names kept apart)
+            more = xgr.Grammar.concat(literal(self.between), wholes[0] if len(wholes) == 1
+                                      else xgr.Grammar.union(*wholes))
+            both = str(xgr.Grammar.union(first, more))
+            heads = re.match(r"root ::= \(\((\w+)\) \| \((\w+)\)\)\n", both)
+            if heads is not None:
+                closing = f" {json.dumps(self.closing)}" if self.closing else ""
+                text = f"root ::= (({heads[1]} {heads[2]}{{0, -1}}{closing}))\n" + both[heads.end():]
         return text if len(text) <= MAX_GRAMMAR_CHARS else None
 
     def call_text(self, name: str, arguments: dict) -> str:
@@ -146,6 +158,7 @@ class ToolCallFormat:
 class Hermes(ToolCallFormat):
     marker = "<tool_call>"
     opening, closing = "<tool_call>\n", "\n</tool_call>"
+    between = "\n</tool_call>\n<tool_call>\n"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, names: frozenset[str] | None = None) -> tuple[str, list[ToolCall]]:
@@ -180,6 +193,7 @@ class Hermes(ToolCallFormat):
 class Llama3Json(ToolCallFormat):
     marker = "<|python_tag|>"
     arguments_key = "parameters"
+    between = "; "
 
     def calls_start(self, text: str) -> int | None:
         stripped = text.lstrip()
@@ -201,6 +215,7 @@ class Llama3Json(ToolCallFormat):
 class Mistral(ToolCallFormat):
     marker = "[TOOL_CALLS]"
     opening, closing = "[TOOL_CALLS][", "]"  # (a list of calls)
+    between = ", "
 
     def calls_start(self, text: str) -> int | None:
         i = text.find(self.marker)
