@@ -32,6 +32,7 @@ from scheduler_proc.batching import BATCHING_STRATEGIES
 from scheduler_proc.load_balancer import LOAD_BALANCE_METHODS
 from scheduler_proc.policies import QUEUE_POLICIES
 from scheduler_proc.prefill_adder import ADMISSION_POLICIES
+from scheduler_proc.speculative import SPECULATIVE_ALGORITHMS
 from tokenizer_proc.reasoning import REASONING_FORMATS
 from tokenizer_proc.tool_calls import TOOL_CALL_FORMATS
 from worker_proc.cpu_kernels import ISA_LEVELS
@@ -137,6 +138,18 @@ class ServerArgs:
     in_batch_prefix_threshold: int = _arg(32, "a waiting request that shares at least this many uncached prompt "
                                               "tokens with one being computed waits a step, then takes them from "
                                               "the prefix cache (0: never)")
+    speculative_algorithm: str | None = _arg(None, "speculative decoding: ngram proposes each decoding request's next "
+                                                   "tokens from the latest earlier occurrence of its last tokens "
+                                                   "(prompt lookup); a step computes them with the last token and keeps "
+                                                   "those the model's own samples confirm, plus one (greedy outputs "
+                                                   "unchanged, sampled ones from the same distribution)",
+                                             choices=tuple(SPECULATIVE_ALGORITHMS.names()))
+    speculative_num_draft_tokens: int = _arg(4, "speculative decoding: draft tokens per request and step")
+    speculative_ngram_min: int = _arg(2, "ngram: the shortest run of last tokens looked up")
+    speculative_ngram_max: int = _arg(4, "ngram: the longest run of last tokens looked up (the longest that recurs wins)")
+    speculative_max_batch_size: int = _arg(8, "speculative decoding: drafts only in steps of at most this many "
+                                              "decoding requests (larger steps are compute-bound: drafts cost more "
+                                              "than they save)")
     num_threads: int | None = _arg(None, "torch threads in each worker (default: the cores divided among the "
                                          "tensor-parallel ranks)")
     tp_size: int = _arg(1, "tensor-parallel ranks: worker processes that each hold a shard of the model (heads, "
@@ -222,12 +235,18 @@ class ServerArgs:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: a fraction in [0, 1)")
         for name in ("tp_size", "pp_size", "dp_size", "nnodes", "page_size", "max_waiting_iters", "max_request_bytes",
-                     "stream_interval"):
+                     "stream_interval", "speculative_num_draft_tokens", "speculative_ngram_min",
+                     "speculative_max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
         for name in ("watchdog_timeout", "graceful_shutdown_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 0")
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ValueError(f"speculative_ngram_max={self.speculative_ngram_max}: at least speculative_ngram_min "
+                             f"({self.speculative_ngram_min})")
+        if self.speculative_algorithm and (self.dllm_algorithm or self.pp_size > 1):
+            raise ValueError("speculative_algorithm: not with --dllm-algorithm or --pp-size above 1")
         if self.zmq_port == self.port and self.port:
             raise ValueError(f"zmq_port={self.zmq_port}: the HTTP server's --port; give the ZMQ client another")
         if not 0 <= self.node_rank < self.nnodes:

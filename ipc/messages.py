@@ -187,6 +187,10 @@ class ModelWorkerBatch(msgspec.Struct, tag=True):
     prompt_logprob_rows: list[int] = []
     prompt_logprob_next: list[int] = []
     prompt_logprob_top: list[int] = []
+    # speculative decoding, per sample entry: draft tokens at the end of its row (empty: none). Each
+    # such row samples its last 1 + drafts positions, in order, as consecutive sample entries of
+    # the result (the first at output index output_lens[i], the next one on, ...).
+    draft_lens: list[int] = []
 
 
 class JointThresholdState(msgspec.Struct, tag="joint_threshold", array_like=True):
@@ -255,7 +259,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 class BatchResult(msgspec.Struct, tag=True):
     step: int
-    next_token_ids: list[int]  # one per sample row
+    next_token_ids: list[int]  # one per sample row (1 + its drafts for a row with drafts)
     forward_s: float
     logprobs: list[TokenLogprobs | None] = []  # one per sample row when any row asked
     collective_s: float = 0.0  # of forward_s, rank 0's time in tensor-parallel collectives

@@ -46,6 +46,7 @@ from scheduler_proc.prefill_adder import ADMISSION_POLICIES, PrefillAdder
 from scheduler_proc.radix_cache import RadixCache, common_prefix
 from scheduler_proc.req import Req, ReqState
 from scheduler_proc.schedule_batch import BatchRow, ScheduleBatch
+from scheduler_proc.speculative import SPECULATIVE_ALGORITHMS, accepted
 
 # Decode slots are reserved per request in runs that end on positions that are multiples of this
 # (SchedulerCore._reserve_decode_slots): the AMX decode kernel's group of tokens.
@@ -91,6 +92,14 @@ class SchedulerConfig:
     dllm_mask_id: int = -1
     dllm_fdfo: bool = True
     dllm_in_place: bool = True
+    # Speculative decoding (speculative.py): the draft proposer (None: off), drafts per request and
+    # step, its n-gram lengths, and the most decoding requests a step may have for drafts (a larger
+    # step is compute-bound, where drafts cost more than they save)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
+    speculative_max_batch_size: int = 8
 
     @classmethod
     def from_args(cls, args: dict, max_total_tokens: int, max_context_len: int,
@@ -100,7 +109,9 @@ class SchedulerConfig:
         same = ("max_running_requests", "max_prefill_tokens", "enable_mixed_chunk", "decode_first",
                 "batching_strategy", "max_waiting_iters", "watermark", "schedule_policy",
                 "enable_priority_scheduling", "prefill_admission_policy", "admission_lookahead", "force_fifo_every",
-                "waiting_timeout", "running_timeout", "page_size", "in_batch_prefix_threshold")
+                "waiting_timeout", "running_timeout", "page_size", "in_batch_prefix_threshold",
+                "speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_min",
+                "speculative_ngram_max", "speculative_max_batch_size")
         return cls(max_total_tokens=max_total_tokens, max_context_len=max_context_len, eos_token_ids=eos_token_ids,
                    chunked_prefill_size=None if args["chunked_prefill_size"] <= 0 else args["chunked_prefill_size"],
                    enable_radix_cache=not args["disable_radix_cache"], **{name: args[name] for name in same}, **more)
@@ -146,6 +157,12 @@ class SchedulerCore:
         self.next_future = 0
         self.retracted_last_step = False  # the last planned step retracted a request
         self.dllm = DllmPlanner(self) if config.dllm_block_size > 0 else None
+        self.proposer = (SPECULATIVE_ALGORITHMS.make(config.speculative_algorithm, config.speculative_num_draft_tokens,
+                                                     config.speculative_ngram_min, config.speculative_ngram_max)
+                         if config.speculative_algorithm and self.dllm is None and config.pipeline_stages == 1
+                         else None)
+        self.num_draft_tokens = 0  # drafts proposed
+        self.num_accepted_tokens = 0  # of those, kept
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -205,7 +222,7 @@ class SchedulerCore:
         self.retracted_last_step = self.num_retractions > retractions
         if not batch.rows:
             return None, ended
-        self.last_batch_was_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in batch.rows)
+        self.last_batch_was_prefill = batch.has_prompts
         if stages > 1:
             for row in batch.rows:
                 row.req.in_flight = True
@@ -227,12 +244,18 @@ class SchedulerCore:
           after-retraction: the last plan retracted; the KV pool is short and the next plan
             should see the slots that finishing requests free;
           kv-short: the decodes of the next step may not fit the free KV slots (they would
-            retract, which the results in flight could make unnecessary)."""
+            retract, which the results in flight could make unnecessary);
+          speculative: the step in flight has drafts, or the next one may (few enough requests)."""
         if self.dllm is not None:
             return "dllm"  # a diffusion step's rows continue from its result
+        if any(r.drafts for r in in_flight.rows) or (
+                self.proposer is not None and len(self.running) <= self.config.speculative_max_batch_size):
+            # how many tokens a row with drafts keeps decides where its next ones start, and drafts
+            # are proposed from known tokens only (not a step's still in flight)
+            return "speculative"
         if self.retracted_last_step:
             return "after-retraction"
-        in_flight_prefill = any(r.extend_len > 1 or r.prefix_len == 0 for r in in_flight.rows)
+        in_flight_prefill = in_flight.has_prompts
         if in_flight_prefill and (self.waiting or any(r.num_pending > 1 for r in self.running)):
             return "prefill-after-prefill"
         if self.token_pool.num_free < len(self.running):
@@ -262,19 +285,31 @@ class SchedulerCore:
             if not row.samples:
                 continue  # a prompt chunk that samples nothing
             req, token, lp, embedding = row.req, next(tokens), next(lps, None), next(embedded, None)
+            kept = [token]
+            if row.drafts:  # the samples after each draft too: the drafts hold while they match
+                samples = [token] + [next(tokens) for _ in row.drafts]
+                for _ in row.drafts:
+                    next(lps, None), next(embedded, None)
+                kept = samples[:accepted(row.drafts, samples[:-1]) + 1]
+                if req.state is not ReqState.FINISHED:
+                    self._keep_drafts(req, row, len(kept) - 1)
             if req.state is ReqState.FINISHED:
                 continue  # aborted while in flight, or found finished by the step before
             # (a request retracted while this step ran is WAITING: its token still counts)
             req.output_ids[row.output_index] = token
-            produced = row.output_index + 1
+            if len(kept) > 1:
+                assert row.output_index == len(req.output_ids) - 1, "a step was planned past one with drafts"
+                req.output_ids += kept[1:]
             if lp is not None:
                 req.output_logprobs.append(lp)
             if embedding and not req.embedding:
                 req.embedding = embedding
-            finish = self._check_finish(req, token, produced)
-            if finish is not None:
-                del req.output_ids[produced:]  # a later step's placeholder: that token is not wanted
-                outputs.append(self._finish(req, finish))
+            for produced, token in enumerate(kept, row.output_index + 1):
+                finish = self._check_finish(req, token, produced)
+                if finish is not None:
+                    del req.output_ids[produced:]  # a later step's placeholder: that token is not wanted
+                    outputs.append(self._finish(req, finish))
+                    break
             else:
                 outputs.append(ReqOutput(req, self._take_unsent(req), False))
         if self.batching.decaying_estimate and self.new_token_ratio > self.config.min_new_token_ratio:
@@ -282,6 +317,15 @@ class SchedulerCore:
                 self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
             )
         return outputs
+
+    def _keep_drafts(self, req: Req, row: BatchRow, kept: int) -> None:
+        """A row with drafts kept `kept` of them: their KV stays; the slots of the rest (the row's
+        last ones) go back to the request's reserve for its next tokens."""
+        self.num_accepted_tokens += kept
+        rejected = len(row.drafts) - kept
+        if rejected and req.state is ReqState.RUNNING:
+            req.num_computed -= rejected
+            req.kv_reserve = np.concatenate([row.new_slots[len(row.new_slots) - rejected:], req.kv_reserve])
 
     def on_dllm_result(self, batch: ScheduleBatch, result: DllmResult) -> list[ReqOutput]:
         """Apply a diffusion step's result: done blocks commit (one output per request whose
@@ -305,10 +349,32 @@ class SchedulerCore:
             else:
                 self._retract(self.batching.victim(self))
         self._reserve_decode_slots(decoding)
+        speculate = self.proposer is not None and len(decoding) <= self.config.speculative_max_batch_size
         for req in decoding:
-            slot, req.kv_reserve = req.kv_reserve[:1], req.kv_reserve[1:]
-            self._extend(batch, req, 1, slot)
+            drafts = self._drafts(req) if speculate else []
+            if drafts:
+                slots, req.kv_reserve = req.kv_reserve[:1 + len(drafts)], req.kv_reserve[1 + len(drafts):]
+                if len(slots) < 1 + len(drafts):
+                    slots = np.concatenate([slots, self.token_pool.alloc(1 + len(drafts) - len(slots))])
+                self._extend(batch, req, 1 + len(drafts), slots, drafts)
+            else:
+                slot, req.kv_reserve = req.kv_reserve[:1], req.kv_reserve[1:]
+                self._extend(batch, req, 1, slot)
         return ended
+
+    def _drafts(self, req: Req) -> list[int]:
+        """Speculative draft tokens for a decoding request ([]: none): where its tokens are all
+        known (not planned ahead of a step in flight), its sampling reads no history and returns
+        no logprobs, and the pool has the slots free."""
+        sp = req.sampling
+        if not req.output_ids or req.output_ids[-1] < 0 or sp.uses_token_history or sp.logprobs or sp.embedding:
+            return []
+        room = min(req.remaining_new_tokens, self.config.max_context_len - req.num_fill) - 1
+        drafts = self.proposer.propose(req.fill_slice(0, req.num_fill), room)
+        if drafts and not self._make_room(len(drafts) + 1 - len(req.kv_reserve)):
+            return []
+        self.num_draft_tokens += len(drafts)
+        return drafts
 
     def _reserve_decode_slots(self, decoding: list[Req]) -> None:
         """Gives each decode without reserved slots a run of consecutive ones, up to its next
@@ -441,21 +507,24 @@ class SchedulerCore:
                     "abort", message=f"ran more than {cfg.running_timeout:g} s")))
         return ended
 
-    def _extend(self, batch: ScheduleBatch, req: Req, n: int, slots: np.ndarray | None = None) -> None:
-        """Add `n` tokens of `req` to the batch, on `slots` or freshly allocated ones. A prompt
-        chunk goes into the prefix cache at once."""
+    def _extend(self, batch: ScheduleBatch, req: Req, n: int, slots: np.ndarray | None = None,
+                drafts: list[int] | None = None) -> None:
+        """Add `n` tokens of `req` to the batch, on `slots` or freshly allocated ones (with
+        `drafts`: its last token and the drafts). A prompt chunk goes into the prefix cache at once."""
         if slots is None:
             if not self._make_room(n):
                 raise AssertionError("the caller checked the budget")
             slots = self.token_pool.alloc(n)
         prefix = req.num_computed
-        row = BatchRow(req, prefix, n, slots, samples=prefix + n == req.num_fill)
+        row = BatchRow(req, prefix, n, slots, samples=prefix + n == req.num_fill + len(drafts or ()))
+        if drafts:
+            row.input_ids, row.drafts = req.fill_slice(prefix, prefix + 1) + drafts, drafts
         if req.prefix_table_due:  # its first row: the worker learns where the cached prefix lies
             row.prefix_table = req.kv_slots.copy()
             req.prefix_table_due = False
         batch.rows.append(row)
         req.append_kv(slots)
-        if self.cache is not None and (n > 1 or prefix < len(req.input_ids)):  # a prompt chunk (or a re-prefill)
+        if self.cache is not None and not drafts and (n > 1 or prefix < len(req.input_ids)):  # a prompt chunk (or a re-prefill)
             self._cache_computed(req)
 
     def _cache_computed(self, req: Req) -> None:
@@ -621,6 +690,8 @@ class SchedulerCore:
             "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "cache_hit_rate": self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
             "kv_slots_allocated_total": self.token_pool.allocated_total,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
             "kv_slots_freed_total": self.token_pool.freed_total,
             **(self.dllm.stats() if self.dllm is not None else {}),
         }

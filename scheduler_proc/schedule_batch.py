@@ -26,8 +26,10 @@ class BatchRow:
     output_index: int = -1
     future: int = -1
     # block diffusion: the row's ids (its committed tokens past prefix_len, then its block as the
-    # last round left it), where they are not simply the request's tokens
+    # last round left it), where they are not simply the request's tokens; speculative decoding:
+    # the last token, then the drafts
     input_ids: list[int] | None = None
+    drafts: list[int] | None = None  # speculative decoding's draft tokens (every position is sampled)
 
 
 @dataclass(slots=True)
@@ -47,7 +49,12 @@ class ScheduleBatch:
 
     @property
     def num_decode(self) -> int:
-        return sum(1 for r in self.rows if r.prefix_len > 0 and r.extend_len == 1)
+        return sum(1 for r in self.rows if r.prefix_len > 0 and (r.extend_len == 1 or r.drafts))
+
+    @property
+    def has_prompts(self) -> bool:
+        """Some row computes prompt tokens (a chunk, or a whole prompt), not only decodes."""
+        return any((r.extend_len > 1 and not r.drafts) or r.prefix_len == 0 for r in self.rows)
 
     def to_worker_batch(self) -> ModelWorkerBatch:
         """The step's wire form: every row computes at least one token; sample entries in the
@@ -88,6 +95,7 @@ class ScheduleBatch:
             prompt_logprob_next=[r.req.input_ids[r.prefix_len + r.extend_len]
                                  if r.prefix_len + r.extend_len < len(r.req.input_ids) else -1 for r in asked],
             prompt_logprob_top=[r.req.sampling.prompt_logprobs for r in asked],
+            draft_lens=[len(r.drafts or ()) for _, r in sampling_rows] if any(r.drafts for r in rows) else [],
             dllm=DllmStep(self.dllm_block_size, self.dllm_fdfo, self.dllm_reloop,
                           [r.req.dllm_algo_state for r in rows]) if self.dllm_block_size else None,
         )

@@ -120,6 +120,8 @@ def simulate(args, overrides: dict | None = None):
 
     if overrides:  # (first: --vary kv_cache_gb or dp_size changes the pool per replica)
         args = argparse.Namespace(**{**vars(args), **overrides})
+    if getattr(args, "speculative_algorithm", None):
+        raise SystemExit("--speculative-algorithm: the simulator has no model outputs to draft from or confirm")
     pred, slots, context = _predictor_and_pool(args)
     requests, measured = _requests(args)
     # block diffusion: the block size the flag gives (the server reads it from the checkpoint)

@@ -37,7 +37,14 @@ class FakeWorker:
                 self.kv[int(loc[start + j])] = int(ids[start + j])
             start += e
             row_tokens.append([self.kv[table[i]] for i in range(p + e)])
-        return [next_token(row_tokens[row]) for row in b.sample_rows]
+        # (speculative drafts: a row's last 1 + drafts positions are each sampled, in order)
+        drafts = b.draft_lens or [0] * len(b.sample_rows)
+        return [self.next_token(row_tokens[row][:len(row_tokens[row]) - d + j])
+                for row, d in zip(b.sample_rows, drafts) for j in range(d + 1)]
+
+    @staticmethod
+    def next_token(tokens: list[int]) -> int:
+        return next_token(tokens)
 
 
 def next_token(tokens: list[int]) -> int:

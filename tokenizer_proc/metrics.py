@@ -41,6 +41,10 @@ class Metrics:
                                    ["dp_rank"], registry=r)
         self.overlapped_steps = Gauge("loom_overlapped_steps", "Steps planned while the one before ran",
                                       ["dp_rank"], registry=r)
+        self.draft_tokens = Gauge("loom_spec_draft_tokens", "Speculative draft tokens proposed since start",
+                                  ["dp_rank"], registry=r)
+        self.accepted_tokens = Gauge("loom_spec_accepted_tokens", "Speculative draft tokens kept since start",
+                                     ["dp_rank"], registry=r)
 
     def on_tokens(self, now: float, created: float, first_at: float | None, last_at: float | None, n: int) -> None:
         if n <= 0:
@@ -74,4 +78,6 @@ class Metrics:
                 self.step_seconds.labels(dp_rank=label, part=part).set(rank[key])
             self.busy_fraction.labels(dp_rank=label).set(rank["busy_fraction"])
             self.overlapped_steps.labels(dp_rank=label).set(rank["overlapped_steps"])
+            self.draft_tokens.labels(dp_rank=label).set(rank["num_draft_tokens"])
+            self.accepted_tokens.labels(dp_rank=label).set(rank["num_accepted_tokens"])
         return generate_latest(self.registry)

@@ -242,7 +242,7 @@ class ModelRunner:
         self.prompt_logprobs, self.embeddings = [], []
         ids, logprobs = self._forward(batch)
         if self.tp.size > 1 and batch.share_samples:  # every rank's map needs them
-            ids = self.tp.broadcast_ids(ids, len(batch.future_slots))
+            ids = self.tp.broadcast_ids(ids, len(batch.future_slots) + sum(batch.draft_lens))
         if len(ids) == len(batch.future_slots):  # (a tensor-parallel rank other than 0 has none otherwise)
             self.futures.store(batch.future_slots, ids)
         return ids, logprobs
@@ -257,12 +257,15 @@ class ModelRunner:
         if batch.track_tokens:
             self._record_tokens(fb, batch.prompt_lens)
         hidden = None if self.pp.is_first else self.pp.recv(len(fb.input_ids), self.config.hidden_size, self.dtype)
+        params, output_lens, sample_slots = batch.sampling, batch.output_lens, fb.req_pool_indices[batch.sample_rows]
+        if batch.draft_lens:  # rows with speculative drafts sample each of their last 1 + drafts positions
+            params, output_lens, sample_slots = self._draft_positions(batch, fb)
         input_ids, sampled_rows = fb.input_ids, len(fb.logit_rows)
         if batch.prompt_logprob_rows:  # (every position of those rows: their logits follow the sampled rows')
             fb.logit_rows = torch.cat([fb.logit_rows] + [
                 torch.arange(int(fb.token_starts[r]), int(fb.token_starts[r] + fb.extend_lens[r]))
                 for r in batch.prompt_logprob_rows])
-        embed = any(p.embedding for p in batch.sampling)
+        embed = any(p.embedding for p in params)
         if self.staging is None:
             self.pool.record(fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.token_starts, fb.slots)
             self.attn.prepare(fb)
@@ -275,19 +278,18 @@ class ModelRunner:
         if embed:
             model_logits, final_hidden = model_logits
             rows = final_hidden[:sampled_rows].float().cpu().numpy()
-            self.embeddings = [rows[i].tobytes() if p.embedding else b"" for i, p in enumerate(batch.sampling)]
+            self.embeddings = [rows[i].tobytes() if p.embedding else b"" for i, p in enumerate(params)]
         if model_logits is None:  # (a tensor-parallel rank other than 0)
             return [], []
         if batch.prompt_logprob_rows:
             self.prompt_logprobs = self._prompt_logprobs(batch, fb, input_ids, model_logits[sampled_rows:])
             model_logits = model_logits[:sampled_rows]
-        if not batch.sampling:
+        if not params:
             return [], []
-        pb = PenaltyBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, model_logits.device,
-                                self.eos_token_ids)
-        slots = fb.req_pool_indices[batch.sample_rows]
-        masks = self.grammars.masks(batch.sampling, slots, batch.output_lens)
-        if pb.is_noop and masks is None and pb.top_logprobs is None and all(p.is_greedy for p in batch.sampling):
+        pb = PenaltyBatch.build(params, output_lens, self.config.vocab_size, model_logits.device, self.eos_token_ids)
+        slots = sample_slots
+        masks = self.grammars.masks(params, slots, output_lens)
+        if pb.is_noop and masks is None and pb.top_logprobs is None and all(p.is_greedy for p in params):
             return self.argmax(model_logits).tolist(), []
         raw = logits = model_logits.float()
         if not pb.is_noop:
@@ -297,15 +299,29 @@ class ModelRunner:
             if logits is raw and pb.top_logprobs is not None:  # (the raw logits stay as they are, for logprobs)
                 logits = raw.clone()
             self.grammars.apply(logits, masks)
-        sb = SamplingBatch.build(batch.sampling, batch.output_lens, self.config.vocab_size, logits.device)
+        sb = SamplingBatch.build(params, output_lens, self.config.vocab_size, logits.device)
         ids = sample(logits, sb)
         if pb.top_logprobs is None:
             return ids.tolist(), []
         chosen, top_ids, top_lps = logprobs(raw, ids, pb.top_logprobs)
         chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
         out = [TokenLogprobs(chosen[i], list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])))
-               if p.logprobs else None for i, p in enumerate(batch.sampling)]
+               if p.logprobs else None for i, p in enumerate(params)]
         return ids.tolist(), out
+
+    @staticmethod
+    def _draft_positions(batch: ModelWorkerBatch, fb: ForwardBatch):
+        """Every sampled position of a step with speculative drafts, in order (a row's last token
+        and its drafts each predict the next): the logit rows (set on fb), and per position the
+        request's sampling parameters, its output index and its request slot."""
+        drafts = np.asarray(batch.draft_lens, dtype=np.int64)
+        last = fb.logit_rows.numpy()
+        counts = drafts + 1
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        fb.logit_rows = torch.from_numpy(np.repeat(last - drafts, counts) + within)
+        params = [p for p, n in zip(batch.sampling, counts) for _ in range(n)]
+        output_lens = (np.repeat(np.asarray(batch.output_lens, dtype=np.int64), counts) + within).tolist()
+        return params, output_lens, np.repeat(fb.req_pool_indices[batch.sample_rows], counts)
 
     @staticmethod
     def _prompt_logprobs(batch: ModelWorkerBatch, fb: ForwardBatch, input_ids: torch.Tensor,
