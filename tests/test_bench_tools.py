@@ -373,3 +373,13 @@ def test_random_checkpoint_has_the_shape_asked_for_and_runs(default_model_dir, t
     assert sum(s.decode for s in steps) == 4
     with pytest.raises(SystemExit, match="no_such_field"):
         random_checkpoint(["--out", str(tmp_path / "x"), "--like", str(default_model_dir), "--set", "no_such_field=1"])
+
+
+def test_speculative_benchmark_reports_both_configurations(tmp_path, capsys):
+    from benchmarks.bench_speculative import main
+
+    result = main(["--rounds", "1", "--requests", "1", "--concurrency", "1", "--max-tokens", "6",
+                   "--workloads", "copy", "--dtype", "float32", "--json", str(tmp_path / "spec.json")])
+    cell = result["cells"]["copy@1"]
+    assert cell["off_tok_s"] > 0 and cell["ngram_tok_s"] > 0 and cell["drafts"] >= cell["kept"] >= 0
+    assert "ngram tok/s" in capsys.readouterr().out and (tmp_path / "spec.json").exists()
