@@ -285,12 +285,13 @@ class SchedulerCore:
             if not row.samples:
                 continue  # a prompt chunk that samples nothing
             req, token, lp, embedding = row.req, next(tokens), next(lps, None), next(embedded, None)
-            kept = [token]
+            kept, kept_lps = [token], [lp]
             if row.drafts:  # the samples after each draft too: the drafts hold while they match
                 samples = [token] + [next(tokens) for _ in row.drafts]
+                kept_lps += [next(lps, None) for _ in row.drafts]
                 for _ in row.drafts:
-                    next(lps, None), next(embedded, None)
-                kept = samples[:accepted(row.drafts, samples[:-1]) + 1]
+                    next(embedded, None)
+                kept = samples[:accepted(row.drafts, samples) + 1]
                 if req.state is not ReqState.FINISHED:
                     self._keep_drafts(req, row, len(kept) - 1)
             if req.state is ReqState.FINISHED:
@@ -301,13 +302,14 @@ class SchedulerCore:
                 assert row.output_index == len(req.output_ids) - 1, "a step was planned past one with drafts"
                 req.output_ids += kept[1:]
             if lp is not None:
-                req.output_logprobs.append(lp)
+                req.output_logprobs += kept_lps[:len(kept)]
             if embedding and not req.embedding:
                 req.embedding = embedding
             for produced, token in enumerate(kept, row.output_index + 1):
                 finish = self._check_finish(req, token, produced)
                 if finish is not None:
                     del req.output_ids[produced:]  # a later step's placeholder: that token is not wanted
+                    del req.output_logprobs[produced:]  # (and kept drafts' after a stop among them)
                     outputs.append(self._finish(req, finish))
                     break
             else:
@@ -364,10 +366,10 @@ class SchedulerCore:
 
     def _drafts(self, req: Req) -> list[int]:
         """Speculative draft tokens for a decoding request ([]: none): where its tokens are all
-        known (not planned ahead of a step in flight), its sampling reads no history and returns
-        no logprobs, and the pool has the slots free."""
+        known (not planned ahead of a step in flight), its sampling reads no history (penalties,
+        a grammar), and the pool has the slots free."""
         sp = req.sampling
-        if not req.output_ids or req.output_ids[-1] < 0 or sp.uses_token_history or sp.logprobs or sp.embedding:
+        if not req.output_ids or req.output_ids[-1] < 0 or sp.uses_token_history or sp.embedding:
             return []
         room = min(req.remaining_new_tokens, self.config.max_context_len - req.num_fill) - 1
         drafts = self.proposer.propose(req.fill_slice(0, req.num_fill), room)

@@ -141,7 +141,7 @@ def parallel_outputs(model_path, prompts, alone: int = 8, trace_dir: Path | None
 
 
 def run_to_completion(runner, core: SchedulerCore, reqs: list[Req], after_step=None) -> SchedulerCore:
-    """Add `reqs` and run core and runner until nothing is left (prompt logprobs and embeddings included);
+    """Add `reqs` and run core and runner until nothing is left (logprobs, prompt logprobs and embeddings included);
     after_step(batch) runs after each step's forward, before its result is applied."""
     for r in reqs:
         core.add_request(r)
@@ -149,9 +149,9 @@ def run_to_completion(runner, core: SchedulerCore, reqs: list[Req], after_step=N
         batch, _ = core.next_batch()
         if batch is None:
             continue
-        ids = runner.forward(batch.to_worker_batch())
+        ids, logprobs = runner.forward_with_logprobs(batch.to_worker_batch())
         if after_step is not None:
             after_step(batch)
-        core.on_result(batch, ids, None, runner.prompt_logprobs, runner.embeddings)
+        core.on_result(batch, ids, logprobs, runner.prompt_logprobs, runner.embeddings)
     assert not core.idle_leaks()
     return core

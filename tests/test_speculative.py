@@ -97,7 +97,8 @@ def runner(default_model_dir):
                                     eos_token_ids=(EOS,)))
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11)])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11),
+                                      dict(temperature=0.0, logprobs=True, top_logprobs=2)])
 def test_smollm2_outputs_do_not_change_with_drafts(runner, smollm2_tokenizer, sampling):
     """float32: a row with drafts computes each position as a decode would, and seeded noise is per
     output position, so greedy and seeded outputs are the same with drafts as without."""
@@ -111,5 +112,9 @@ def test_smollm2_outputs_do_not_change_with_drafts(runner, smollm2_tokenizer, sa
                                              speculative_algorithm=spec))
         reqs = [Req(f"r{i}", list(prompt), SamplingParams(max_new_tokens=48, **sampling)) for i in range(2)]
         run_to_completion(runner, core, reqs)
-        outputs[spec] = ([r.output_ids for r in reqs], core.num_accepted_tokens)
+        outputs[spec] = ([r.output_ids for r in reqs], core.num_accepted_tokens, [r.output_logprobs for r in reqs])
     assert outputs["ngram"][0] == outputs[None][0] and outputs["ngram"][1] > 0
+    for with_drafts, without in zip(outputs["ngram"][2], outputs[None][2]):  # (one per output token, where asked)
+        assert len(with_drafts) == len(without) == (len(outputs[None][0][0]) if sampling.get("logprobs") else 0)
+        for a, b in zip(with_drafts, without):
+            assert abs(a.logprob - b.logprob) < 1e-3 and [t for t, _ in a.top] == [t for t, _ in b.top]

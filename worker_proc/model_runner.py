@@ -235,10 +235,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_with_logprobs(self, batch: ModelWorkerBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Sampled ids (one per sample row) and, when any row asked, their logprobs; they are also
-        kept in the future map, where a later step's input references find them. The prompt
-        logprobs of the step's prompt_logprob_rows are left in `prompt_logprobs`, and the sample
-        rows' embeddings, where any asked, in `embeddings`."""
+        """Sampled ids (one per sample row; 1 + drafts for a row with drafts) and, when any row
+        asked, their logprobs; they are also kept in the future map, where a later step's input
+        references find them. The prompt logprobs of the step's prompt_logprob_rows are left in
+        `prompt_logprobs`, and the sample rows' embeddings, where any asked, in `embeddings`."""
         self.prompt_logprobs, self.embeddings = [], []
         ids, logprobs = self._forward(batch)
         if self.tp.size > 1 and batch.share_samples:  # every rank's map needs them
@@ -287,14 +287,13 @@ class ModelRunner:
         if not params:
             return [], []
         pb = PenaltyBatch.build(params, output_lens, self.config.vocab_size, model_logits.device, self.eos_token_ids)
-        slots = sample_slots
-        masks = self.grammars.masks(params, slots, output_lens)
+        masks = self.grammars.masks(params, sample_slots, output_lens)
         if pb.is_noop and masks is None and pb.top_logprobs is None and all(p.is_greedy for p in params):
             return self.argmax(model_logits).tolist(), []
         raw = logits = model_logits.float()
         if not pb.is_noop:
-            logits = pb.apply(raw, self.output_counts.gather(slots) if pb.needs_counts else None,
-                              self.prompt_tokens.gather(slots) if pb.needs_prompt_mask else None)
+            logits = pb.apply(raw, self.output_counts.gather(sample_slots) if pb.needs_counts else None,
+                              self.prompt_tokens.gather(sample_slots) if pb.needs_prompt_mask else None)
         if masks is not None:
             if logits is raw and pb.top_logprobs is not None:  # (the raw logits stay as they are, for logprobs)
                 logits = raw.clone()
