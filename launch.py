@@ -147,7 +147,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _arg(4, "speculative decoding: draft tokens per request and step")
     speculative_ngram_min: int = _arg(2, "ngram: the shortest run of last tokens looked up")
     speculative_ngram_max: int = _arg(4, "ngram: the longest run of last tokens looked up (the longest that recurs wins)")
-    speculative_max_batch_size: int = _arg(8, "speculative decoding: drafts only in steps of at most this many "
+    speculative_max_batch_size: int = _arg(4, "speculative decoding: drafts only in steps of at most this many "
                                               "decoding requests (larger steps are compute-bound: drafts cost more "
                                               "than they save)")
     num_threads: int | None = _arg(None, "torch threads in each worker (default: the cores divided among the "

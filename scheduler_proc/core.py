@@ -99,7 +99,7 @@ class SchedulerConfig:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
-    speculative_max_batch_size: int = 8
+    speculative_max_batch_size: int = 4
 
     @classmethod
     def from_args(cls, args: dict, max_total_tokens: int, max_context_len: int,

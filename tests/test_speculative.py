@@ -63,7 +63,7 @@ def _workload(n: int = 8, seed: int = 0) -> list[Req]:
 def test_runs_with_drafts_equal_runs_without(overlap, cfg):
     runs = {}
     for spec in (None, "ngram"):
-        core = make_core(speculative_algorithm=spec, **cfg)
+        core = make_core(speculative_algorithm=spec, speculative_max_batch_size=16, **cfg)
         for r in _workload():
             core.add_request(r)
         runs[spec] = (*drive(core, CyclingWorker(cfg.get("max_running_requests", 16)), overlap), core)
