@@ -375,3 +375,61 @@ def test_score_and_rerank_by_embedding_similarity(server, client, model):
     bad = httpx.post(server.url + "/score", headers=auth, timeout=60,
                      json={"text_1": ["a", "b"], "text_2": ["a", "b", "c"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
+
+
+def test_responses_through_the_sdk(server, client, model):
+    r = client.responses.create(model=model, input="What is the capital of France?", instructions="You are a helpful assistant.",
+                                max_output_tokens=32, temperature=0)
+    assert r.status == "completed" and r.output_text == "The capital of France is Paris."
+    assert r.output[0].type == "message" and r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+    # the conversation goes on from the stored response
+    more = client.responses.create(model=model, input="And of Italy?", previous_response_id=r.id,
+                                   max_output_tokens=32, temperature=0)
+    assert more.output_text and more.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    # streamed: the events add up to the same text, and end with the whole response
+    events = list(client.responses.create(model=model, input="What is the capital of France?",
+                                          instructions="You are a helpful assistant.", max_output_tokens=32,
+                                          temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    cut = client.responses.create(model=model, input="Tell me a story.", max_output_tokens=4)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_with_tools_and_a_schema(server, client, model):
+    weather = {"type": "function", "name": "get_weather",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                              "required": ["city"]}}
+    r = client.responses.create(model=model, input="Weather in Paris?", tools=[weather], tool_choice="required",
+                                max_output_tokens=48, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    answer = client.responses.create(model=model, previous_response_id=r.id, tools=[weather], max_output_tokens=16,
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "sunny, 21 C"}])
+    assert answer.status in ("completed", "incomplete")
+    events = list(client.responses.create(model=model, input="Weather in Paris?", tools=[weather],
+                                          tool_choice="required", max_output_tokens=48, temperature=0, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+              "additionalProperties": False}
+    r = client.responses.create(model=model, input="Invent a person.", max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": person}})
+    assert set(json.loads(r.output_text)) == {"name"}
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"input": []}, "input"), ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format"),
+])
+def test_bad_responses_requests_name_the_field(server, body, field):
+    r = httpx.post(server.url + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == field, r.text

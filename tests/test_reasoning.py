@@ -174,3 +174,26 @@ def test_bad_chat_template_kwargs_are_400_naming_the_field(smollm2_tokenizer, kw
     with pytest.raises(ApiError) as e:
         chat(route, {**ASK, "chat_template_kwargs": kwargs})
     assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
+
+
+def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(smollm2_tokenizer):
+    import asyncio
+
+    from tokenizer_proc.responses_api import ResponsesServing
+
+    tok = _with_template(smollm2_tokenizer, QWEN3_LIKE)
+    route, _ = serving(tok, [REPLY, REPLY], reasoning_parser="qwen3", step=3)
+    responses = ResponsesServing(route)
+    r = asyncio.run(responses.create({"input": "2 + 2?"}))
+    assert [(o["type"], o["content"][0]["text"]) for o in r["output"]] == [
+        ("reasoning", "\nTwo and two.\n"), ("message", "It is 4.")]
+
+    async def events():
+        stream = await responses.create({"input": "2 + 2?", "stream": True})
+        return [json.loads(e.decode().removeprefix("data: ")) async for e in stream.body_iterator]
+
+    got = asyncio.run(events())
+    assert "".join(e["delta"] for e in got if e["type"] == "response.reasoning_text.delta") == "\nTwo and two.\n"
+    assert "".join(e["delta"] for e in got if e["type"] == "response.output_text.delta") == "It is 4."
+    assert [o["type"] for o in got[-1]["response"]["output"]] == ["reasoning", "message"]
+    assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [0, 1]

@@ -128,6 +128,33 @@ EMBEDDING = {
     },
 }
 
+_RESPONSE_ITEM = {"type": "object", "properties": {
+    "type": {"type": "string", "enum": ["message", "function_call", "function_call_output", "reasoning"]},
+    "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]}, "content": _CONTENT,
+    "call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"},
+    "output": {"type": "string"}}}
+RESPONSE = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _RESPONSE_ITEM}]},
+        "model": {"type": ["string", "null"]}, "instructions": _TEXT, "previous_response_id": _TEXT,
+        "max_output_tokens": _INT, "temperature": _NUMBER, "top_p": _NUMBER, "stream": {"type": ["boolean", "null"]},
+        "store": {"type": ["boolean", "null"]}, "metadata": {"type": ["object", "null"]},
+        "tools": {"type": ["array", "null"], "items": {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "minLength": 1},
+            "description": _TEXT, "parameters": {"type": ["object", "null"]}, "strict": {"type": ["boolean", "null"]}}}},
+        "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "null"},
+                                  {"type": "object", "required": ["type", "name"], "properties": {
+                                      "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"}}}]},
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "text": {"type": ["object", "null"], "properties": {"format": {"type": "object", "required": ["type"],
+                                                                       "properties": {"type": {"type": "string", "enum": [
+                                                                           "text", "json_object", "json_schema"]}}}}},
+        "user": _TEXT, "top_k": _INT, "min_p": _NUMBER, "seed": _INT, "repetition_penalty": _NUMBER,
+    },
+}
+
 _TEXTS = EMBEDDING["properties"]["input"]
 SCORE = {
     "type": "object",

@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
-and vLLM's /tokenize, /detokenize, /score and /rerank (embedding similarity).
+/v1/responses (responses_api.py, over the chat route), and vLLM's /tokenize, /detokenize, /score
+and /rerank (embedding similarity).
 
 Requests are read leniently, as the OpenAI spec allows (null for any optional field, chat content
 as a string or a list of parts) plus the extras vLLM / SGLang clients send (top_k, min_p,
@@ -27,8 +28,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ipc.messages import STRUCTURED_OUTPUT_FIELDS, SamplingParams
-from tokenizer_proc.api_schema import (CHAT_COMPLETION, COMPLETION, DETOKENIZE, EMBEDDING, RERANK, SCORE, TOKENIZE,
-                                       request_body)
+from tokenizer_proc.api_schema import (CHAT_COMPLETION, COMPLETION, DETOKENIZE, EMBEDDING, RERANK, RESPONSE, SCORE,
+                                       TOKENIZE, request_body)
 from tokenizer_proc.manager import RequestError, TokenizerManager, UnavailableError
 from tokenizer_proc.request_body import BodyError, read_json_object
 from tokenizer_proc.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
@@ -878,7 +879,10 @@ def _chat_message(m: Any, i: int) -> dict:
 
 
 def build_router(serving: OpenAIServing) -> APIRouter:
+    from tokenizer_proc.responses_api import ResponsesServing
+
     router = APIRouter()
+    responses = ResponsesServing(serving)
 
     async def handle(request: Request, fn):
         try:
@@ -910,8 +914,16 @@ def build_router(serving: OpenAIServing) -> APIRouter:
                                  ("/rerank", RERANK, serving.rerank), ("/v1/rerank", RERANK, serving.rerank),
                                  ("/v2/rerank", RERANK, serving.rerank),
                                  ("/tokenize", TOKENIZE, serving.tokenize),
-                                 ("/detokenize", DETOKENIZE, serving.detokenize)):
+                                 ("/detokenize", DETOKENIZE, serving.detokenize),
+                                 ("/v1/responses", RESPONSE, responses.create)):
         router.add_api_route(path, route(method), methods=["POST"], openapi_extra=request_body(schema),
                              name=method.__name__)
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        try:
+            return responses.get(response_id)
+        except ApiError as e:
+            return e.response()
 
     return router
