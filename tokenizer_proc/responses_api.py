@@ -23,7 +23,9 @@ from fastapi.responses import StreamingResponse
 
 from tokenizer_proc.openai_api import ApiError, OpenAIServing, _field, sse_data
 
-MAX_STORED = 1024  # responses kept for previous_response_id, least recent dropped first
+# responses kept for previous_response_id, least recent dropped first past either bound
+MAX_STORED = 1024
+MAX_STORED_CHARS = 64 * 1024 * 1024  # of their conversations' text
 # chat fields a Responses request may carry as they are (vLLM's and SGLang's extras included)
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "parallel_tool_calls", "chat_template_kwargs", "top_logprobs")
@@ -36,7 +38,8 @@ def _new_id(prefix: str) -> str:
 class ResponsesServing:
     def __init__(self, chat: OpenAIServing):
         self.chat = chat
-        self.stored: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()  # id -> (conversation, response)
+        self.stored: OrderedDict[str, tuple[list[dict], dict, int]] = OrderedDict()  # id -> (conversation, response, chars)
+        self.stored_chars = 0
 
     async def create(self, body: dict) -> dict | StreamingResponse:
         model = self.chat.check_model(body)
@@ -114,9 +117,11 @@ class ResponsesServing:
         conversation = list(messages)
         for item in response["output"]:
             _add_item(conversation, item, "output")
-        self.stored[response["id"]] = (conversation, response)
-        while len(self.stored) > MAX_STORED:
-            self.stored.popitem(last=False)
+        chars = len(json.dumps(conversation))
+        self.stored[response["id"]] = (conversation, response, chars)
+        self.stored_chars += chars
+        while len(self.stored) > MAX_STORED or (self.stored_chars > MAX_STORED_CHARS and len(self.stored) > 1):
+            self.stored_chars -= self.stored.popitem(last=False)[1][2]
 
     # ---- streaming ----------------------------------------------------------------------
 
