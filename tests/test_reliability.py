@@ -238,7 +238,7 @@ def test_stop_checker_ends_a_catastrophic_regex_with_why():
 
 # ---- fuzzing ------------------------------------------------------------------------------------
 
-SMALL_GENERATION = {"max_tokens": 4, "max_new_tokens": 4, "max_completion_tokens": 4, "n": 2}
+SMALL_GENERATION = {"max_tokens": 4, "max_new_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2}
 
 
 def _keep_generation_small(body):
@@ -248,6 +248,8 @@ def _keep_generation_small(body):
         return body
     if "prompt" in body or "messages" in body:  # (unset, they default to 16 tokens or the whole context)
         body.setdefault("max_tokens", 4)
+    elif "input" in body:  # (/v1/responses; /v1/embeddings ignores it)
+        body.setdefault("max_output_tokens", 4)
     else:
         body.setdefault("sampling_params", {})
         if isinstance(body["sampling_params"], dict):
@@ -257,7 +259,7 @@ def _keep_generation_small(body):
             for key, cap in SMALL_GENERATION.items():
                 if isinstance(fields.get(key), int) and not isinstance(fields[key], bool) and fields[key] > cap:
                     fields[key] = cap
-    for key in ("prompt", "text"):
+    for key in ("prompt", "text", "input", "documents", "text_1", "text_2"):
         if isinstance(body.get(key), list) and len(body[key]) > 4:
             body[key] = body[key][:4]
     return body
