@@ -98,10 +98,14 @@ def runner(default_model_dir):
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11),
-                                      dict(temperature=0.0, logprobs=True, top_logprobs=2)])
+                                      dict(temperature=0.0, logprobs=True, top_logprobs=2),
+                                      dict(temperature=0.0, repetition_penalty=1.05, frequency_penalty=0.05),
+                                      dict(temperature=0.7, presence_penalty=0.5, seed=5)])
 def test_smollm2_outputs_do_not_change_with_drafts(runner, smollm2_tokenizer, sampling):
-    """float32: a row with drafts computes each position as a decode would, and seeded noise is per
-    output position, so greedy and seeded outputs are the same with drafts as without."""
+    """float32: a row with drafts computes each position as a decode would, seeded noise is per
+    output position, and each position's penalties count the tokens before it only (drafts not
+    kept are taken back from the counts), so greedy and seeded outputs are the same with drafts
+    as without."""
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
     prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "Copy this code:\n" + code}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -118,3 +122,30 @@ def test_smollm2_outputs_do_not_change_with_drafts(runner, smollm2_tokenizer, sa
         assert len(with_drafts) == len(without) == (len(outputs[None][0][0]) if sampling.get("logprobs") else 0)
         for a, b in zip(with_drafts, without):
             assert abs(a.logprob - b.logprob) < 1e-3 and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_each_position_counts_only_the_drafts_before_it(runner):
+    """The penalty counts of a row's positions: position j leaves out the drafts after it; and
+    the drafts the scheduler did not keep come off the slot's counts at its next step."""
+    from ipc.messages import ModelWorkerBatch
+    from worker_proc.forward_batch import ForwardBatch
+
+    ids = np.asarray([7, 50, 51, 52, 9], dtype=np.int32)  # row 0: last token 7, drafts 50 51 52; row 1: 9
+    batch = ModelWorkerBatch(step=0, input_ids=ids.tobytes(), out_cache_loc=np.arange(5, dtype=np.int32).tobytes(),
+                             req_pool_indices=[1, 2], prefix_lens=[10, 6], extend_lens=[4, 1], prompt_lens=[5, 5],
+                             sample_rows=[0, 1], sampling=[SamplingParams(), SamplingParams()], output_lens=[5, 1],
+                             draft_lens=[3, 0])
+    fb = ForwardBatch.from_worker_batch(batch)
+    runner.counted_drafts.clear()
+    params, output_lens, slots, (rows, tokens) = runner._draft_positions(batch, fb, counted=True)
+    assert fb.logit_rows.tolist() == [0, 1, 2, 3, 4] and output_lens == [5, 6, 7, 8, 1] and slots.tolist() == [1] * 4 + [2]
+    assert sorted(zip(rows.tolist(), tokens.tolist())) == [(0, 50), (0, 51), (0, 52), (1, 51), (1, 52), (2, 52)]
+    assert runner.counted_drafts == {1: (10, [50, 51, 52])}
+    runner.output_counts.reset([1])
+    runner.output_counts.add([1] * 4, [7, 50, 51, 52])  # (what the step counted)
+    nxt = ModelWorkerBatch(step=1, input_ids=np.asarray([8], np.int32).tobytes(), out_cache_loc=b"\0\0\0\0",
+                           req_pool_indices=[1], prefix_lens=[12], extend_lens=[1], prompt_lens=[5], sample_rows=[0],
+                           sampling=[SamplingParams()], output_lens=[7])
+    runner._uncount_rejected_drafts(ForwardBatch.from_worker_batch(nxt))  # (one draft kept: 12 = 10 + 1 + 1)
+    counts = runner.output_counts.gather([1])[0]
+    assert [int(counts[t]) for t in (7, 50, 51, 52)] == [1, 1, 0, 0] and not runner.counted_drafts

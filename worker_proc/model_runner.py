@@ -206,6 +206,9 @@ class ModelRunner:
         self.output_counts = OutputTokenCounts(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.prompt_tokens = PromptTokenMask(rc.max_running_requests, self.config.vocab_size, rc.device)
         self.futures = FutureMap(rc.max_running_requests)  # sampled ids a later step references
+        # speculative drafts counted as outputs (a row's inputs are): slot -> (the row's prefix_len,
+        # its drafts); the next step of the slot takes back those its scheduler did not keep
+        self.counted_drafts: dict[int, tuple[int, list[int]]] = {}
         self.grammars = GrammarMasks(rc.model_dir, self.config.vocab_size, self.eos_token_ids)
         self.prompt_logprobs: list[list[TokenLogprobs]] = []  # the last step's (forward_with_logprobs)
         self.embeddings: list[bytes] = []  # the last step's, per sample row where any asked (float32 bytes)
@@ -254,12 +257,15 @@ class ModelRunner:
             self.grammars.reset(fb.req_pool_indices[fb.prefix_lens == 0].tolist())
         if batch.prefix_tables:
             self._apply_prefix_tables(batch, fb)
+        if self.counted_drafts:
+            self._uncount_rejected_drafts(fb)
         if batch.track_tokens:
             self._record_tokens(fb, batch.prompt_lens)
         hidden = None if self.pp.is_first else self.pp.recv(len(fb.input_ids), self.config.hidden_size, self.dtype)
         params, output_lens, sample_slots = batch.sampling, batch.output_lens, fb.req_pool_indices[batch.sample_rows]
+        later_drafts = None
         if batch.draft_lens:  # rows with speculative drafts sample each of their last 1 + drafts positions
-            params, output_lens, sample_slots = self._draft_positions(batch, fb)
+            params, output_lens, sample_slots, later_drafts = self._draft_positions(batch, fb, batch.track_tokens)
         input_ids, sampled_rows = fb.input_ids, len(fb.logit_rows)
         if batch.prompt_logprob_rows:  # (every position of those rows: their logits follow the sampled rows')
             fb.logit_rows = torch.cat([fb.logit_rows] + [
@@ -292,8 +298,11 @@ class ModelRunner:
             return self.argmax(model_logits).tolist(), []
         raw = logits = model_logits.float()
         if not pb.is_noop:
-            logits = pb.apply(raw, self.output_counts.gather(sample_slots) if pb.needs_counts else None,
-                              self.prompt_tokens.gather(sample_slots) if pb.needs_prompt_mask else None)
+            counts = self.output_counts.gather(sample_slots) if pb.needs_counts else None
+            if counts is not None and later_drafts is not None and len(later_drafts[0]):
+                # (a position counts the row's tokens up to its own input: not the drafts after it)
+                counts.index_put_(later_drafts, torch.tensor(-1, dtype=counts.dtype), accumulate=True)
+            logits = pb.apply(raw, counts, self.prompt_tokens.gather(sample_slots) if pb.needs_prompt_mask else None)
         if masks is not None:
             if logits is raw and pb.top_logprobs is not None:  # (the raw logits stay as they are, for logprobs)
                 logits = raw.clone()
@@ -308,11 +317,13 @@ class ModelRunner:
                if p.logprobs else None for i, p in enumerate(params)]
         return ids.tolist(), out
 
-    @staticmethod
-    def _draft_positions(batch: ModelWorkerBatch, fb: ForwardBatch):
+    def _draft_positions(self, batch: ModelWorkerBatch, fb: ForwardBatch, counted: bool):
         """Every sampled position of a step with speculative drafts, in order (a row's last token
-        and its drafts each predict the next): the logit rows (set on fb), and per position the
-        request's sampling parameters, its output index and its request slot."""
+        and its drafts each predict the next): the logit rows (set on fb); per position the
+        request's sampling parameters, its output index and its request slot; and (position,
+        token) index arrays of the drafts after each position, which its output counts must
+        leave out. With `counted` (the step counted its inputs as outputs), each row's drafts
+        are remembered, to take back those the scheduler does not keep."""
         drafts = np.asarray(batch.draft_lens, dtype=np.int64)
         last = fb.logit_rows.numpy()
         counts = drafts + 1
@@ -320,7 +331,28 @@ class ModelRunner:
         fb.logit_rows = torch.from_numpy(np.repeat(last - drafts, counts) + within)
         params = [p for p, n in zip(batch.sampling, counts) for _ in range(n)]
         output_lens = (np.repeat(np.asarray(batch.output_lens, dtype=np.int64), counts) + within).tolist()
-        return params, output_lens, np.repeat(fb.req_pool_indices[batch.sample_rows], counts)
+        later_rows, later_tokens, first = [], [], 0
+        for row, n, end in zip(batch.sample_rows, drafts, last):
+            if n:
+                tokens = fb.input_ids[end - n + 1:end + 1].tolist()
+                for j in range(n):  # position j (after j drafts) leaves out drafts j..n-1
+                    later_rows += [first + j] * (n - j)
+                    later_tokens += tokens[j:]
+                if counted:
+                    self.counted_drafts[int(fb.req_pool_indices[row])] = (int(fb.prefix_lens[row]), tokens)
+            first += n + 1
+        later = (torch.tensor(later_rows, dtype=torch.int64), torch.tensor(later_tokens, dtype=torch.int64))
+        return params, output_lens, np.repeat(fb.req_pool_indices[batch.sample_rows], counts), later
+
+    def _uncount_rejected_drafts(self, fb: ForwardBatch) -> None:
+        """A slot whose last step had drafts: its row now starts after the ones the scheduler kept
+        (prefix_len = that step's + 1 + kept); the rest come off its output counts."""
+        for slot, prefix in zip(fb.req_pool_indices.tolist(), fb.prefix_lens.tolist()):
+            entry = self.counted_drafts.pop(slot, None)
+            if entry is not None and prefix > entry[0]:  # (prefix 0: a new request, counts reset anyway)
+                kept = prefix - entry[0] - 1
+                rejected = entry[1][kept:]
+                self.output_counts.add([slot] * len(rejected), rejected, times=-1)
 
     @staticmethod
     def _prompt_logprobs(batch: ModelWorkerBatch, fb: ForwardBatch, input_ids: torch.Tensor,

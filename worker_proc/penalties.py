@@ -90,8 +90,9 @@ class OutputTokenCounts:
         if idx.numel():
             self.counts.index_fill_(0, idx, 0)
 
-    def add(self, slots: torch.Tensor | Sequence[int], tokens: torch.Tensor | Sequence[int]) -> None:
-        """Count one generated token per entry: ``counts[slots[i], tokens[i]] += 1``.
+    def add(self, slots: torch.Tensor | Sequence[int], tokens: torch.Tensor | Sequence[int], times: int = 1) -> None:
+        """Count one generated token per entry: ``counts[slots[i], tokens[i]] += times`` (-1: take
+        back tokens counted too early, a speculative draft the model did not confirm).
 
         `slots` and `tokens` have the same shape (any; flattened). Repeated (slot, token) pairs
         in one call all count (index_put_ with accumulate)."""
@@ -99,7 +100,7 @@ class OutputTokenCounts:
         t = _as_index(tokens, self.device).reshape(-1)
         assert s.shape == t.shape, (s.shape, t.shape)
         if s.numel():
-            self.counts.index_put_((s, t), torch.ones_like(s, dtype=torch.int32), accumulate=True)
+            self.counts.index_put_((s, t), torch.full_like(s, times, dtype=torch.int32), accumulate=True)
 
     def gather(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """``[B, V]`` int32 copy of the rows of `slots`, in that order."""
