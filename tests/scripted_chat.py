@@ -33,8 +33,9 @@ class ScriptedManager:
         text = self.replies.pop(0)
         ends = list(range(self.step, len(text), self.step)) + [len(text)]
         for n in ends:
-            yield {"text": text[:n], "output_ids": list(range(n)),
-                   "meta_info": {"finish_reason": {"type": "stop"} if n == len(text) else None, "completion_tokens": n,
+            yield {"text": text[:n], "output_ids": self.tokenizer.encode(text[:n], add_special_tokens=False),
+                   "meta_info": {"finish_reason": {"type": "stop"} if n == len(text) else None,
+                                 "completion_tokens": len(self.tokenizer.encode(text[:n], add_special_tokens=False)),
                                  "cached_tokens": 0, "output_token_logprobs": [], "output_top_logprobs": []}}
 
     async def generate(self, input_ids, sampling, stream=False, prefill_group=None, routed_dp_rank=None):

@@ -197,3 +197,21 @@ def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(smollm2_toke
     assert "".join(e["delta"] for e in got if e["type"] == "response.output_text.delta") == "It is 4."
     assert [o["type"] for o in got[-1]["response"]["output"]] == ["reasoning", "message"]
     assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [0, 1]
+
+
+def test_usage_counts_the_thinking_tokens(smollm2_tokenizer):
+    import asyncio
+
+    from tokenizer_proc.responses_api import ResponsesServing
+
+    tok = _with_template(smollm2_tokenizer, QWEN3_LIKE)
+    thinking = len(tok.encode("<think>\nTwo and two.\n</think>", add_special_tokens=False))
+    route, _ = serving(tok, [REPLY, REPLY, REPLY, "It is 4."], reasoning_parser="qwen3")
+    usage = chat(route, ASK)["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == thinking < usage["completion_tokens"]
+    streamed = chat(route, {**ASK, "stream": True, "stream_options": {"include_usage": True}})[-1]["usage"]
+    assert streamed["completion_tokens_details"]["reasoning_tokens"] == thinking
+    r = asyncio.run(ResponsesServing(route).create({"input": "2 + 2?"}))
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking
+    plain = chat(route, {**ASK, "chat_template_kwargs": {"enable_thinking": False}})["usage"]
+    assert plain["completion_tokens_details"]["reasoning_tokens"] == 0

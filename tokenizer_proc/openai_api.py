@@ -327,7 +327,7 @@ class OpenAIServing:
         choices = [{"index": idx, **_chat_reply(out, calls, reasoning),
                     "logprobs": self._chat_logprobs(_token_logprobs(out) if want else None)} for idx, out in outs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs)),
+                "choices": choices, "usage": self._usage(len(ids), self._by_prompt(jobs, outs), reasoning),
                 **({"prompt_logprobs": self._vllm_prompt_logprobs(outs[0][1], prompt_top)}
                    if prompt_top is not None else {})}
 
@@ -577,18 +577,34 @@ class OpenAIServing:
 
         return list(await asyncio.gather(*(one(*job) for job in jobs)))
 
-    @staticmethod
-    def _usage(prompt_tokens: int, outs: list[tuple[object, dict]]) -> dict:
+    def _usage(self, prompt_tokens: int, outs: list[tuple[object, dict]], reasoning: tuple | None = None) -> dict:
         """Prompt tokens count once per prompt (not per choice), as OpenAI reports them, and so do
         cached tokens: a prompt's are those its first computation took from a cache (the fewest
-        of its choices), never more than the prompt. `outs`: (prompt key, result) per choice."""
+        of its choices), never more than the prompt. `outs`: (prompt key, result) per choice.
+        With a reasoning parser, the replies' thinking tokens (through the end tag) too."""
         completion = sum(o["meta_info"]["completion_tokens"] for _, o in outs)
         fewest: dict[object, int] = {}
         for key, o in outs:
             fewest[key] = min(fewest.get(key, o["meta_info"]["cached_tokens"]), o["meta_info"]["cached_tokens"])
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(fewest.values())}}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(fewest.values())}}
+        if reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(self._reasoning_tokens(o, reasoning)
+                                                                          for _, o in outs)}
+        return usage
+
+    def _reasoning_tokens(self, out: dict, reasoning: tuple) -> int:
+        """A reply's thinking tokens: through the first run of the end tag's tokens (all of them
+        where it never ends); 0 where the reply does not think."""
+        fmt, thinking, _ = reasoning
+        if fmt.split(out["text"], thinking)[0] is None:
+            return 0
+        ids, tag = out["output_ids"], self.reasoning_end_ids
+        for i in range(len(ids) - len(tag) + 1):
+            if ids[i:i + len(tag)] == tag:
+                return i + len(tag)
+        return len(ids)
 
     @staticmethod
     def _by_prompt(jobs, outs: list[tuple[int, dict]]) -> list[tuple[object, dict]]:
@@ -690,7 +706,7 @@ class OpenAIServing:
                     code = 400 if isinstance(e, RequestError) else 503 if isinstance(e, UnavailableError) else 500
                     yield f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n"
                 if include_usage:
-                    yield chunk({"choices": [], "usage": self._usage(prompt_tokens, outs)})
+                    yield chunk({"choices": [], "usage": self._usage(prompt_tokens, outs, reasoning)})
                 yield "data: [DONE]\n\n"
             finally:
                 for t in tasks:

@@ -257,7 +257,9 @@ def _finished(base: dict, items: list[dict], finish: str | None, usage: dict | N
             "usage": {"input_tokens": usage["prompt_tokens"],
                       "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {})
                                                .get("cached_tokens", 0)},
-                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": usage["completion_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {})
+                                                .get("reasoning_tokens", 0)},
                       "total_tokens": usage["total_tokens"]}}
 
 
