@@ -366,10 +366,10 @@ class SchedulerCore:
 
     def _drafts(self, req: Req) -> list[int]:
         """Speculative draft tokens for a decoding request ([]: none): where its tokens are all
-        known (not planned ahead of a step in flight), it follows no grammar (whose matcher takes
-        tokens one way only), and the pool has the slots free."""
+        known (not planned ahead of a step in flight), no grammar of its waits for a tag
+        (grammar_after), and the pool has the slots free."""
         sp = req.sampling
-        if not req.output_ids or req.output_ids[-1] < 0 or sp.has_grammar or sp.embedding:
+        if not req.output_ids or req.output_ids[-1] < 0 or sp.grammar_after or sp.embedding:
             return []
         room = min(req.remaining_new_tokens, self.config.max_context_len - req.num_fill) - 1
         drafts = self.proposer.propose(req.fill_slice(0, req.num_fill), room)

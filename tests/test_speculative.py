@@ -126,7 +126,8 @@ def test_smollm2_outputs_do_not_change_with_drafts(runner, smollm2_tokenizer, sa
 
 def test_each_position_counts_only_the_drafts_before_it(runner):
     """The penalty counts of a row's positions: position j leaves out the drafts after it; and
-    the drafts the scheduler did not keep come off the slot's counts at its next step."""
+    the drafts the scheduler did not keep come off the slot's counts at its next step, the kept
+    ones onto its grammar record."""
     from ipc.messages import ModelWorkerBatch
     from worker_proc.forward_batch import ForwardBatch
 
@@ -137,7 +138,8 @@ def test_each_position_counts_only_the_drafts_before_it(runner):
                              draft_lens=[3, 0])
     fb = ForwardBatch.from_worker_batch(batch)
     runner.counted_drafts.clear()
-    params, output_lens, slots, (rows, tokens) = runner._draft_positions(batch, fb, counted=True)
+    params, output_lens, slots, (rows, tokens), ahead = runner._draft_positions(batch, fb, counted=True)
+    assert ahead == [[], [50], [50, 51], [50, 51, 52], []]
     assert fb.logit_rows.tolist() == [0, 1, 2, 3, 4] and output_lens == [5, 6, 7, 8, 1] and slots.tolist() == [1] * 4 + [2]
     assert sorted(zip(rows.tolist(), tokens.tolist())) == [(0, 50), (0, 51), (0, 52), (1, 51), (1, 52), (2, 52)]
     assert runner.counted_drafts == {1: (10, [50, 51, 52])}
@@ -146,6 +148,37 @@ def test_each_position_counts_only_the_drafts_before_it(runner):
     nxt = ModelWorkerBatch(step=1, input_ids=np.asarray([8], np.int32).tobytes(), out_cache_loc=b"\0\0\0\0",
                            req_pool_indices=[1], prefix_lens=[12], extend_lens=[1], prompt_lens=[5], sample_rows=[0],
                            sampling=[SamplingParams()], output_lens=[7])
-    runner._uncount_rejected_drafts(ForwardBatch.from_worker_batch(nxt))  # (one draft kept: 12 = 10 + 1 + 1)
+    runner.grammars.reset([1])
+    runner.grammars.record([1], [7])
+    runner._settle_drafts(ForwardBatch.from_worker_batch(nxt), nxt)  # (one draft kept: 12 = 10 + 1 + 1)
     counts = runner.output_counts.gather([1])[0]
     assert [int(counts[t]) for t in (7, 50, 51, 52)] == [1, 1, 0, 0] and not runner.counted_drafts
+    assert runner.grammars.outputs[1] == [7, 50]  # (the kept draft goes on the grammar record)
+    runner.grammars.reset([1])
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=3)])
+def test_grammar_outputs_do_not_change_with_drafts(runner, smollm2_tokenizer, sampling, caplog):
+    """A grammar row with drafts: each position's mask is the matcher's after the drafts before it
+    (taken in, then back), and the kept drafts go onto the record the next step."""
+    import json
+
+    person = {"name": "Alice Martin", "city": "Paris", "job": "baker", "age": 31}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "job": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "city", "job", "age"], "additionalProperties": False}
+    prompt = smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this JSON exactly: {json.dumps(person)}"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    outputs = {}
+    for spec in (None, "ngram"):
+        core = SchedulerCore(SchedulerConfig(max_total_tokens=1500, max_running_requests=4, max_prefill_tokens=256,
+                                             max_context_len=1024, eos_token_ids=(EOS,), speculative_algorithm=spec))
+        reqs = [Req(f"r{i}", list(prompt), SamplingParams(max_new_tokens=60, json_schema=json.dumps(schema), **sampling))
+                for i in range(2)]
+        run_to_completion(runner, core, reqs)
+        outputs[spec] = ([r.output_ids for r in reqs], core.num_accepted_tokens)
+    assert outputs["ngram"][0] == outputs[None][0] and outputs["ngram"][1] > 0
+    assert not [r.message for r in caplog.records if r.name == "worker_proc.grammar"]  # (the record kept up)
+    for ids in outputs["ngram"][0]:
+        assert set(json.loads(smollm2_tokenizer.decode(ids, skip_special_tokens=True))) == set(person)

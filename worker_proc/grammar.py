@@ -161,9 +161,12 @@ class GrammarMasks:
         for slot, token in zip(slots, tokens):
             self.outputs.setdefault(slot, []).append(token)
 
-    def masks(self, params: list, slots, output_lens: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+    def masks(self, params: list, slots, output_lens: list[int],
+              ahead: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int]] | None:
         """The step's token bitmask ([rows, vocab / 32] int32) and the rows it constrains; None
-        when no row has a grammar to follow."""
+        when no row has a grammar to follow. `ahead`: per row, the speculative drafts before its
+        position (not on the record yet): the matcher takes them in for the row's mask, then
+        back; a row after a draft the grammar refuses is left free (that draft cannot be kept)."""
         rows = [i for i, p in enumerate(params) if p.has_grammar]
         if not rows:
             return None
@@ -174,9 +177,19 @@ class GrammarMasks:
         constrained = []
         for i in rows:
             matcher = self._matcher(int(slots[i]), params[i].grammar, output_lens[i], params[i].grammar_after)
-            if matcher is not None and not matcher.is_terminated():
+            if matcher is None or matcher.is_terminated():
+                continue
+            drafts = ahead[i] if ahead else ()
+            taken = 0
+            for token in drafts:
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                taken += 1
+            if taken == len(drafts) and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(self._mask, i)
                 constrained.append(i)
+            if taken:
+                matcher.rollback(taken)
         return (self._mask, constrained) if constrained else None
 
     @staticmethod

@@ -258,14 +258,15 @@ class ModelRunner:
         if batch.prefix_tables:
             self._apply_prefix_tables(batch, fb)
         if self.counted_drafts:
-            self._uncount_rejected_drafts(fb)
+            self._settle_drafts(fb, batch)
         if batch.track_tokens:
-            self._record_tokens(fb, batch.prompt_lens)
+            self._record_tokens(fb, batch.prompt_lens, self._draft_inputs(batch, fb) if batch.draft_lens else None)
         hidden = None if self.pp.is_first else self.pp.recv(len(fb.input_ids), self.config.hidden_size, self.dtype)
         params, output_lens, sample_slots = batch.sampling, batch.output_lens, fb.req_pool_indices[batch.sample_rows]
-        later_drafts = None
+        later_drafts, ahead, base_lens = None, None, output_lens
         if batch.draft_lens:  # rows with speculative drafts sample each of their last 1 + drafts positions
-            params, output_lens, sample_slots, later_drafts = self._draft_positions(batch, fb, batch.track_tokens)
+            params, output_lens, sample_slots, later_drafts, ahead = self._draft_positions(batch, fb, batch.track_tokens)
+            base_lens = np.repeat(np.asarray(batch.output_lens), np.asarray(batch.draft_lens) + 1).tolist()
         input_ids, sampled_rows = fb.input_ids, len(fb.logit_rows)
         if batch.prompt_logprob_rows:  # (every position of those rows: their logits follow the sampled rows')
             fb.logit_rows = torch.cat([fb.logit_rows] + [
@@ -293,7 +294,7 @@ class ModelRunner:
         if not params:
             return [], []
         pb = PenaltyBatch.build(params, output_lens, self.config.vocab_size, model_logits.device, self.eos_token_ids)
-        masks = self.grammars.masks(params, sample_slots, output_lens)
+        masks = self.grammars.masks(params, sample_slots, base_lens, ahead)
         if pb.is_noop and masks is None and pb.top_logprobs is None and all(p.is_greedy for p in params):
             return self.argmax(model_logits).tolist(), []
         raw = logits = model_logits.float()
@@ -331,28 +332,42 @@ class ModelRunner:
         fb.logit_rows = torch.from_numpy(np.repeat(last - drafts, counts) + within)
         params = [p for p, n in zip(batch.sampling, counts) for _ in range(n)]
         output_lens = (np.repeat(np.asarray(batch.output_lens, dtype=np.int64), counts) + within).tolist()
-        later_rows, later_tokens, first = [], [], 0
+        later_rows, later_tokens, ahead, first = [], [], [], 0
         for row, n, end in zip(batch.sample_rows, drafts, last):
-            if n:
-                tokens = fb.input_ids[end - n + 1:end + 1].tolist()
-                for j in range(n):  # position j (after j drafts) leaves out drafts j..n-1
-                    later_rows += [first + j] * (n - j)
-                    later_tokens += tokens[j:]
-                if counted:
-                    self.counted_drafts[int(fb.req_pool_indices[row])] = (int(fb.prefix_lens[row]), tokens)
+            tokens = fb.input_ids[end - n + 1:end + 1].tolist() if n else []
+            ahead += [tokens[:j] for j in range(n + 1)]  # (a grammar's matcher takes them in, then back)
+            for j in range(n):  # position j (after j drafts) leaves out drafts j..n-1
+                later_rows += [first + j] * (n - j)
+                later_tokens += tokens[j:]
+            if n and counted:
+                self.counted_drafts[int(fb.req_pool_indices[row])] = (int(fb.prefix_lens[row]), tokens)
             first += n + 1
         later = (torch.tensor(later_rows, dtype=torch.int64), torch.tensor(later_tokens, dtype=torch.int64))
-        return params, output_lens, np.repeat(fb.req_pool_indices[batch.sample_rows], counts), later
+        return params, output_lens, np.repeat(fb.req_pool_indices[batch.sample_rows], counts), later, ahead
 
-    def _uncount_rejected_drafts(self, fb: ForwardBatch) -> None:
+    @staticmethod
+    def _draft_inputs(batch: ModelWorkerBatch, fb: ForwardBatch) -> np.ndarray:
+        """Which of the step's tokens are speculative drafts (a grammar's record takes them only
+        once kept)."""
+        mask = np.zeros(len(fb.input_ids), dtype=bool)
+        for row, n in zip(batch.sample_rows, batch.draft_lens):
+            end = int(fb.token_starts[row] + fb.extend_lens[row])
+            mask[end - n:end] = True
+        return mask
+
+    def _settle_drafts(self, fb: ForwardBatch, batch: ModelWorkerBatch) -> None:
         """A slot whose last step had drafts: its row now starts after the ones the scheduler kept
-        (prefix_len = that step's + 1 + kept); the rest come off its output counts."""
+        (prefix_len = that step's + 1 + kept); the rest come off its output counts, the kept ones
+        go onto its grammar record. (A slot starting a request, prefix 0 or a cached prefix, drops
+        the entry: its counts and record start over.)"""
+        restarted = {t.req_pool_idx for t in batch.prefix_tables}
         for slot, prefix in zip(fb.req_pool_indices.tolist(), fb.prefix_lens.tolist()):
             entry = self.counted_drafts.pop(slot, None)
-            if entry is not None and prefix > entry[0]:  # (prefix 0: a new request, counts reset anyway)
+            if entry is not None and prefix > entry[0] and slot not in restarted:
                 kept = prefix - entry[0] - 1
                 rejected = entry[1][kept:]
                 self.output_counts.add([slot] * len(rejected), rejected, times=-1)
+                self.grammars.record([slot] * kept, entry[1][:kept])
 
     @staticmethod
     def _prompt_logprobs(batch: ModelWorkerBatch, fb: ForwardBatch, input_ids: torch.Tensor,
@@ -426,7 +441,7 @@ class ModelRunner:
                 self.output_counts.add(row * max(len(tokens) - n_prompt, 0), tokens[n_prompt:])
                 self.grammars.record(row * max(len(tokens) - n_prompt, 0), tokens[n_prompt:].tolist())
 
-    def _record_tokens(self, fb: ForwardBatch, prompt_lens: list[int]) -> None:
+    def _record_tokens(self, fb: ForwardBatch, prompt_lens: list[int], drafts: np.ndarray | None = None) -> None:
         """Keep each slot's prompt-token mask and output-token counts current from the tokens it is
         fed: every output token is fed exactly once (the step after it is sampled, or again in a
         re-prefill after a retraction, which starts the slot over), so counts at sampling time
@@ -440,4 +455,6 @@ class ModelRunner:
         is_output = fb.positions >= prompt_len_of_token
         self.output_counts.add(slot_of_token[is_output], fb.input_ids[is_output])
         self.prompt_tokens.add(slot_of_token[~is_output], fb.input_ids[~is_output])
+        if drafts is not None and drafts.any():  # (a draft goes on the grammar record once kept: _settle_drafts)
+            is_output = is_output & ~torch.from_numpy(drafts)
         self.grammars.record(slot_of_token[is_output].tolist(), fb.input_ids[is_output].tolist())
