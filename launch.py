@@ -197,6 +197,10 @@ class ServerArgs:
                                          "JSON list); auto: the one the chat template teaches (hermes, with the tools "
                                          "in a system message, where it teaches none)",
                                  choices=("auto", *TOOL_CALL_FORMATS.names()))
+    generation_config: str = _arg("auto", "default sampling of the OpenAI routes' requests (the fields a request "
+                                          "leaves unset): auto, the temperature / top_p / top_k / min_p / "
+                                          "repetition_penalty the model folder's generation_config.json sets (as "
+                                          "vLLM does); none, loom's own defaults", choices=("auto", "none"))
     reasoning_parser: str | None = _arg(None, "a reasoning model's chat replies: the thinking in <think> ... </think> "
                                               "returned as reasoning_content beside the answer's content (streamed "
                                               "too), and structured output applied to the answer after it; "
@@ -342,6 +346,24 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any = None) -> list[int] | None:
     elif getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_dir: Path, mode: str) -> dict[str, float | int]:
+    """The default sampling of OpenAI requests (--generation-config): with auto, the sampling
+    fields the model folder's generation_config.json sets (as vLLM's default takes them); with
+    none, {} (loom's own defaults)."""
+    path = model_dir / "generation_config.json"
+    if mode != "auto" or not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    return {name: config[name] for name in GENERATION_CONFIG_SAMPLING
+            if isinstance(config.get(name), (int, float)) and not isinstance(config[name], bool)}
 
 
 def _eos_id_from_tokenizer_files(model_dir: Path) -> int | None:
@@ -671,7 +693,8 @@ class Engine:
         if self._chat is None:
             self._chat = OpenAIServing(self.manager, self.args.served_model_name or self.model_dir.name,
                                        self.manager.context_len, self.args.tool_call_parser,
-                                       self.args.reasoning_parser)
+                                       self.args.reasoning_parser,
+                                       sampling_defaults(self.model_dir, self.args.generation_config))
         single = bool(messages) and isinstance(messages[0], dict)
         bodies = [{**request, "messages": m} for m in ([messages] if single else messages)]
 
@@ -830,9 +853,13 @@ def serve(args: ServerArgs) -> None:
         zmq_port = args.port + 1 if args.zmq_port is None else args.zmq_port
         frontend = ZmqFrontend(manager, f"tcp://{args.host}:{zmq_port}", args.max_request_bytes)
         frontend.start()
+        defaults = sampling_defaults(model_dir, args.generation_config)
+        if defaults:
+            log.info("the model's generation_config.json sets the OpenAI routes' default sampling: %s "
+                     "(--generation-config none: loom's own)", defaults)
         app = build_app(manager, {**info, "zmq_endpoint": frontend.address},
                         args.served_model_name or model_dir.name, args.api_key, args.max_request_bytes,
-                        args.tool_call_parser, args.reasoning_parser)
+                        args.tool_call_parser, args.reasoning_parser, defaults)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout + 1, access_log=False)
         print(f"loom: serving {model_dir.name} ({info['dtype']}, {info['max_total_tokens']} KV tokens "

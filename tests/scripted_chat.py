@@ -62,6 +62,6 @@ def chat(serving: OpenAIServing, body: dict):
     return asyncio.run(run())
 
 
-def serving(tokenizer, replies, parser="auto", reasoning_parser=None, step=4):
+def serving(tokenizer, replies, parser="auto", reasoning_parser=None, step=4, sampling_defaults=None):
     manager = ScriptedManager(tokenizer, replies, step)
-    return OpenAIServing(manager, "m", 2048, parser, reasoning_parser), manager
+    return OpenAIServing(manager, "m", 2048, parser, reasoning_parser, sampling_defaults), manager

@@ -307,3 +307,24 @@ def test_required_calls_may_be_several_while_parallel(fmt):
     assert not _is_grammar_accept_string(grammar, reply(("get_time", {}))[len(forced):] + f.between)
     single = xgr.Grammar.from_ebnf(f.call_grammar([strict_weather, TIME], None))
     assert not _is_grammar_accept_string(single, reply(("get_time", {}), ("get_time", {}))[len(forced):])
+
+
+def test_the_model_s_generation_config_gives_unset_sampling_fields(smollm2_tokenizer, tmp_path):
+    """--generation-config auto: generation_config.json's sampling fields are the defaults of the
+    OpenAI routes; a request's own values win; none: loom's defaults."""
+    import json as _json
+
+    from launch import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(_json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True,
+         "eos_token_id": 2, "min_p": None}))
+    defaults = sampling_defaults(tmp_path, "auto")
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    assert sampling_defaults(tmp_path, "none") == {} and sampling_defaults(tmp_path / "missing", "auto") == {}
+    serving, manager = _serving(smollm2_tokenizer, ["Hi.", "Hi."], "auto")
+    serving.sampling_defaults = defaults
+    _chat(serving, {"messages": [{"role": "user", "content": "Hi"}]})
+    _chat(serving, {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "top_k": None})
+    assert {k: manager.samplings[0][k] for k in defaults} == defaults
+    assert manager.samplings[1]["temperature"] == 0 and manager.samplings[1]["top_k"] == 20

@@ -103,10 +103,11 @@ def _from_logprob_start(out: dict, start: int) -> dict:
 
 def build_app(manager: TokenizerManager, server_info: dict[str, Any], model_name: str,
               api_key: str | None = None, max_request_bytes: int = 32 * 1024 * 1024,
-              tool_call_parser: str = "auto", reasoning_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str = "auto", reasoning_parser: str | None = None,
+              sampling_defaults: dict | None = None) -> FastAPI:
     app = FastAPI(title="loom")
     app.include_router(build_router(OpenAIServing(manager, model_name, manager.context_len, tool_call_parser,
-                                                  reasoning_parser)))
+                                                  reasoning_parser, sampling_defaults)))
 
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)

@@ -167,7 +167,7 @@ def _structured_output(body: dict) -> dict:
 
 class OpenAIServing:
     def __init__(self, manager: TokenizerManager, model_name: str, context_len: int, tool_call_parser: str = "auto",
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, sampling_defaults: dict | None = None):
         self.manager = manager
         self.model_name = model_name
         self.context_len = context_len
@@ -175,6 +175,8 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self._tool_format: ToolCallFormat | None = None
         self.reasoning = REASONING_FORMATS.make(reasoning_parser) if reasoning_parser else None
+        # the model's generation_config.json sampling (--generation-config auto): what a request leaves unset
+        self.sampling_defaults = dict(sampling_defaults or {})
         # the end tag's tokens, after which the answer's grammar starts
         self.reasoning_end_ids = manager.tokenizer.encode(self.reasoning.end, add_special_tokens=False) \
             if self.reasoning else []
@@ -223,7 +225,7 @@ class OpenAIServing:
         model = self.check_model(body)
         n, stream, include_usage = self.check_common(body)
         routed = _field(body, "routed_dp_rank", int)  # (an SGLang extra: the data-parallel rank to use)
-        sampling = _sampling(body, ("max_tokens",))
+        sampling = {**self.sampling_defaults, **_sampling(body, ("max_tokens",))}
         sampling.setdefault("max_new_tokens", 16)  # the OpenAI default for completions
         echo = _field(body, "echo", bool, False)
         top = _field(body, "logprobs", int)
@@ -294,7 +296,7 @@ class OpenAIServing:
         model = self.check_model(body)
         n, stream, include_usage = self.check_common(body)
         routed = _field(body, "routed_dp_rank", int)  # (an SGLang extra: the data-parallel rank to use)
-        sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
+        sampling = {**self.sampling_defaults, **_sampling(body, ("max_tokens", "max_completion_tokens"))}
         want = _field(body, "logprobs", bool, False)
         top = _field(body, "top_logprobs", int, 0)
         if not 0 <= top <= 20:
