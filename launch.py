@@ -717,11 +717,11 @@ class Engine:
         list -> a list of vectors, in order."""
         import numpy as np
 
+        from tokenizer_proc.openai_api import unit_vectors
+
         outs = self.generate(prompt, {"embedding": True}, input_ids)
-        vectors = [np.asarray(o["embedding"], dtype=np.float32) for o in (outs if isinstance(outs, list) else [outs])]
-        if normalize:
-            vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
-        vectors = [v.tolist() for v in vectors]
+        vectors = np.asarray([o["embedding"] for o in (outs if isinstance(outs, list) else [outs])], dtype=np.float32)
+        vectors = (unit_vectors(vectors) if normalize else vectors).tolist()
         return vectors if isinstance(outs, list) else vectors[0]
 
     def abort(self, rid: str = "") -> None:

@@ -409,7 +409,7 @@ class OpenAIServing:
                 raise ApiError(400, f"'dimensions' is at most {vectors.shape[1]} for this model", "dimensions")
             vectors = vectors[:, :dimensions]
         if normalize:
-            vectors = _unit(vectors)
+            vectors = unit_vectors(vectors)
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64"
                  else v.tolist()} for i, v in enumerate(vectors)]
@@ -426,7 +426,7 @@ class OpenAIServing:
             raise ApiError(400, f"'text_1' has {len(first)} texts and 'text_2' {len(second)}: give one text_1, or "
                                 "as many as text_2", "text_1")
         vectors, tokens = await self._embed(first + second, "text_1", body)
-        a, b = _unit(vectors[:len(first)]), _unit(vectors[len(first):])
+        a, b = unit_vectors(vectors[:len(first)]), unit_vectors(vectors[len(first):])
         scores = (a * b).sum(axis=1) if len(first) > 1 else b @ a[0]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
                 "data": [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)],
@@ -449,7 +449,7 @@ class OpenAIServing:
         if top_n < 1:
             raise ApiError(400, "'top_n' must be at least 1", "top_n")
         vectors, tokens = await self._embed([query] + texts, "documents", body)
-        unit = _unit(vectors)
+        unit = unit_vectors(vectors)
         scores = unit[1:] @ unit[0]
         order = np.argsort(-scores, kind="stable")[:top_n]
         keep = _field(body, "return_documents", bool, True)
@@ -599,14 +599,13 @@ class OpenAIServing:
     def _reasoning_tokens(self, out: dict, reasoning: tuple) -> int:
         """A reply's thinking tokens: through the first run of the end tag's tokens (all of them
         where it never ends); 0 where the reply does not think."""
+        from worker_proc.grammar import end_of_run
+
         fmt, thinking, _ = reasoning
         if fmt.split(out["text"], thinking)[0] is None:
             return 0
-        ids, tag = out["output_ids"], self.reasoning_end_ids
-        for i in range(len(ids) - len(tag) + 1):
-            if ids[i:i + len(tag)] == tag:
-                return i + len(tag)
-        return len(ids)
+        end = end_of_run(out["output_ids"], self.reasoning_end_ids)
+        return len(out["output_ids"]) if end is None else end
 
     @staticmethod
     def _by_prompt(jobs, outs: list[tuple[int, dict]]) -> list[tuple[object, dict]]:
@@ -720,7 +719,7 @@ class OpenAIServing:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _unit(vectors: np.ndarray) -> np.ndarray:
+def unit_vectors(vectors: np.ndarray) -> np.ndarray:
     """Each row over its L2 norm."""
     return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
 

@@ -15,6 +15,7 @@ holds the grammar back until the reply has written the end tag's tokens (Samplin
 from __future__ import annotations
 
 from scheduler_proc.registry import Registry
+from tokenizer_proc.tool_calls import tag_start_at_end
 
 REASONING_FORMATS = Registry("reasoning parser")
 
@@ -84,17 +85,9 @@ class ReasoningStream:
             return ""
         if not final and not content:
             if fmt.end not in text:  # the thinking's end may be a tag being written
-                reasoning = reasoning[:len(reasoning) - _tag_prefix_at_end(reasoning, fmt.end)]
+                reasoning = reasoning[:len(reasoning) - tag_start_at_end(reasoning, fmt.end)]
         else:
             self.content = content
         delta = reasoning[self.reasoning_sent:]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         return delta
-
-
-def _tag_prefix_at_end(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (shorter than the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

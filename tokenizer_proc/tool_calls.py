@@ -148,10 +148,7 @@ class ToolCallFormat:
 
     def holds(self, text: str) -> int:
         """How many characters at the end of `text` a stream keeps back: they may begin the marker."""
-        for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if self.marker.startswith(text[-n:]):
-                return n
-        return 0
+        return tag_start_at_end(text, self.marker)
 
 
 @TOOL_CALL_FORMATS.register("hermes")
@@ -237,6 +234,15 @@ class Mistral(ToolCallFormat):
             return len(text)
         return super().holds(text)
 
+
+
+def tag_start_at_end(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (shorter than the tag): what a stream
+    keeps back until the text after it says whether the tag is being written."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def format_for_template(chat_template: str | None) -> str:

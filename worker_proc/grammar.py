@@ -59,6 +59,16 @@ def json_schema_grammar(schema: str, strict: bool = True):
     return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER))
 
 
+def end_of_run(tokens: list[int], run: list[int], start: int = 0) -> int | None:
+    """Where the first occurrence of `run` in `tokens` at or after `start` ends (None: none yet):
+    a reasoning model's end-of-thinking tag in its output."""
+    n = len(run)
+    for i in range(start, len(tokens) - n + 1):
+        if tokens[i:i + n] == run:
+            return i + n
+    return None
+
+
 def build_grammar(kind: str, text: str):
     """The xgrammar Grammar of a SamplingParams.grammar (kind, text); raises on a bad one."""
     import xgrammar as xgr
@@ -239,11 +249,7 @@ class GrammarMasks:
         if searched > len(outputs):  # (a shorter record: its request restarted)
             searched, start = 0, None
         if start is None:
-            n = len(after)
-            for i in range(max(0, searched - n + 1), len(outputs) - n + 1):
-                if outputs[i:i + n] == after:
-                    start = i + n
-                    break
+            start = end_of_run(outputs, after, max(0, searched - len(after) + 1))
             self.starts[slot] = (len(outputs), start)
         return start
 
