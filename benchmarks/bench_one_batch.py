@@ -56,7 +56,7 @@ add_repo_to_path()
 import torch  # noqa: E402
 
 from worker_proc.cpu_kernels import ISA_LEVELS  # noqa: E402
-from worker_proc.kv_cache import KVPool  # noqa: E402
+from worker_proc.kv_cache import KV_CACHE_DTYPES, KVPool, resolve_kv_dtype  # noqa: E402
 from worker_proc.linear import QUANTIZATIONS  # noqa: E402
 
 
@@ -75,6 +75,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the CPU kernels' instruction-set level, as launch.py (default: %(default)s)")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="weight-only quantization, as launch.py (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                   help="dtype of the KV cache, as launch.py's flag (auto: the compute dtype; int8 on CPU: "
+                        "0.53x bfloat16's bytes per decode step)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (auto: cuda where a GPU is visible; default: %(default)s)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="on a GPU: every decode step eager")
@@ -172,14 +175,15 @@ def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -
     kv_gb = args.kv_cache_gb
     if kv_gb is None:
         config = ModelConfig.from_dir(model_dir)
-        per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype, args.quantization)
+        per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype)
         tokens = max(args.batch_sizes) * (args.input_len + args.output_len)
         kv_gb = (tokens * 1.25 + 4096) * per_token / 2**30
     on_gpu = args.device == "cuda"
     return ModelRunner(RunnerConfig(str(model_dir), dtype, kv_gb, max(args.batch_sizes),
                                     device=args.device, kernel_backend="auto" if on_gpu else args.kernel_backend,
                                     kernel_isa=args.kernel_isa, quantization=args.quantization,
-                                    cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
+                                    kv_cache_dtype=args.kv_cache_dtype, cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
                                     deterministic=args.enable_deterministic_inference))
 
 
@@ -408,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"weights    {weights.matmul_params / 1e6:.1f} M matmul parameters, {weights.bytes / 2**20:.1f} MiB "
         f"streamed per step ({dtype_name}, quantization {args.quantization}), "
         f"{weights.flops_per_token / 1e6:.0f} MFLOP per token",
-        f"runner     kernels {runner.kernel_isa}; KV pool {runner.num_slots} tokens",
+        f"runner     kernels {runner.kernel_isa}; KV pool {runner.num_slots} tokens in "
+        f"{str(runner.kv_dtype).removeprefix('torch.')}",
         "roof bw    " + (f"batch 1: {(weights.bytes + kv_bytes_per_step(1)) / 2**20:.1f} MiB (weights + KV) / "
                          f"{gemv_rate:.1f} GB/s -> "
                          f"{batch1_limit:.1f} tok/s" if batch1_limit else "n/a (no probe)"),
@@ -509,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "machine": machine,
         "model": {"dir": str(model_dir), "dtype": dtype_name, "dtype_reason": dtype_reason,
                   "kernel_backend": backend, "kernel_isa": kernel_isa, "quantization": args.quantization,
+                  "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                   "kv_slots": kv_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
                   "flops_per_token": weights.flops_per_token},
         "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,

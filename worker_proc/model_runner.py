@@ -42,7 +42,7 @@ class RunnerConfig:
     kernel_backend: str = "auto"  # auto | torch | cpu
     kernel_isa: str = "native"  # cpu_kernels.ISA_LEVELS: which build of the CPU kernels
     quantization: str = "none"  # none | fp16 | int8 | int4
-    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (kv_cache.resolve_kv_dtype)
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | int8 (kv_cache.resolve_kv_dtype)
     eos_token_ids: tuple[int, ...] = ()
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     mem_fraction_static: float = 0.88  # on a GPU: its memory for weights and KV pool together
