@@ -397,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     runner = load_runner(args, dtype, model_dir)
     backend, kv_slots = runner.kernel_backend, runner.num_slots
+    kv_dtype_name = str(runner.kv_dtype).removeprefix("torch.")
     weights = WeightStats.of(runner.model, runner.config)
     gemv_rate, gemm_rate = gemv_gbs(machine, dtype_name), gemm_gflops(machine, dtype_name)
     # a decode step j (1 .. output_len - 1) attends input_len + j tokens of each row
@@ -412,8 +413,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"weights    {weights.matmul_params / 1e6:.1f} M matmul parameters, {weights.bytes / 2**20:.1f} MiB "
         f"streamed per step ({dtype_name}, quantization {args.quantization}), "
         f"{weights.flops_per_token / 1e6:.0f} MFLOP per token",
-        f"runner     kernels {runner.kernel_isa}; KV pool {runner.num_slots} tokens in "
-        f"{str(runner.kv_dtype).removeprefix('torch.')}",
+        f"runner     kernels {runner.kernel_isa}; KV pool {runner.num_slots} tokens in {kv_dtype_name}",
         "roof bw    " + (f"batch 1: {(weights.bytes + kv_bytes_per_step(1)) / 2**20:.1f} MiB (weights + KV) / "
                          f"{gemv_rate:.1f} GB/s -> "
                          f"{batch1_limit:.1f} tok/s" if batch1_limit else "n/a (no probe)"),
@@ -514,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "machine": machine,
         "model": {"dir": str(model_dir), "dtype": dtype_name, "dtype_reason": dtype_reason,
                   "kernel_backend": backend, "kernel_isa": kernel_isa, "quantization": args.quantization,
-                  "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+                  "kv_cache_dtype": kv_dtype_name,
                   "kv_slots": kv_slots, "matmul_params": weights.matmul_params, "weight_bytes": weights.bytes,
                   "flops_per_token": weights.flops_per_token},
         "rooflines": {"gemv_rate_gbs": gemv_rate, "gemm_gflops": gemm_rate,

@@ -258,6 +258,28 @@ def test_one_batch_with_the_hf_baseline_writes_its_result(tmp_path, default_mode
     assert (tmp_path / "one_batch.json").exists()
 
 
+def test_one_batch_runs_the_kv_cache_dtype_it_is_given(tmp_path, default_model_dir):
+    """--kv-cache-dtype reaches the runner (as launch.py's flag does): the pool is int8 and each
+    row's KV reads a step are counted in int8 codes plus their scales."""
+    from benchmarks import bench_one_batch
+    from inproc import build_tiny_checkpoint, with_tokenizer
+    from worker_proc.kv_cache import KVPool
+    from worker_proc.model_config import ModelConfig
+
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=2, vocab_size=49152),
+                          default_model_dir)
+    result = bench_one_batch.main(["--model-path", str(path), "--batch-sizes", "2", "--input-len", "8",
+                                   "--output-len", "4", "--dtype", "float32", "--kv-cache-dtype", "int8",
+                                   "--no-probe", "--no-plot", "--json", str(tmp_path / "one_batch.json")])
+    config = ModelConfig.from_dir(path)
+    per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, torch.int8)
+    assert result["model"]["kv_cache_dtype"] == "int8"
+    assert per_token < KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32)
+    [row] = result["results"]
+    assert row["kv_bytes_per_step"] == pytest.approx(2 * (8 + 4 / 2) * per_token)
+    assert row["decode_steps"] == 3 and row["decode_tok_s"] > 0
+
+
 def test_sim_scale_times_loom_and_reads_vidur_metrics(tmp_path, capsys):
     from benchmarks.bench_sim_scale import main, vidur_summary
 
