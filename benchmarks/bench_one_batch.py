@@ -27,6 +27,7 @@ moves within minutes, one pair of probes around a batch's whole run can straddle
     python benchmarks/bench_one_batch.py --dtype float32 --json out.json
     python benchmarks/bench_one_batch.py --batch-sizes 1 --quantization int4 --llamacpp-baseline
     python benchmarks/bench_one_batch.py --batch-sizes 256 --input-len 128 --output-len 16 --prefill-rounds 5
+    python benchmarks/bench_one_batch.py --batch-sizes 128,256 --input-len 128 --output-len 64 --kv-cache-dtype int8
 
 Writes --json (default: benchmarks/results/bench_one_batch_<timestamp>.json) and a plot of
 throughput against batch size next to it (when matplotlib is installed).
