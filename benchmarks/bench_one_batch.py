@@ -184,7 +184,8 @@ def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -
     return ModelRunner(RunnerConfig(str(model_dir), dtype, kv_gb, max(args.batch_sizes),
                                     device=args.device, kernel_backend="auto" if on_gpu else args.kernel_backend,
                                     kernel_isa=args.kernel_isa, quantization=args.quantization,
-                                    kv_cache_dtype=args.kv_cache_dtype, cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
+                                    kv_cache_dtype=args.kv_cache_dtype,
+                                    cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
                                     deterministic=args.enable_deterministic_inference))
 
 
