@@ -77,8 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="weight-only quantization, as launch.py (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
-                   help="dtype of the KV cache, as launch.py's flag (auto: the compute dtype; int8 on CPU: "
-                        "0.53x bfloat16's bytes per decode step)")
+                   help="dtype of the KV cache, as launch.py's flag (auto picks as it does: the compute dtype, "
+                        "or float16 with some --quantization; int8 on CPU: 0.53x bfloat16's bytes a decode step)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (auto: cuda where a GPU is visible; default: %(default)s)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="on a GPU: every decode step eager")
