@@ -150,23 +150,29 @@ class WeightStats:
         matmul = c.num_layers * per_layer + c.vocab_size * c.hidden_size  # + LM head
         # Bytes from the tensors themselves. An embedding table is a gather of a few rows, not
         # streamed, unless it is also the (tied) LM head, which then counts once, under the head;
-        # rotary tables are read a row per token. A linear with its weight also packed for the
-        # kernel (Linear.packed) streams the panels and only the rows past the last whole panel.
+        # rotary tables are read a row per token.
         seen: set[int] = set()
-        nbytes = 0
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding) or "rotary" in type(module).__name__.lower():
-                continue
-            packed = getattr(module, "packed", None)
-            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                if t is None or t.data_ptr() in seen:
-                    continue
-                seen.add(t.data_ptr())
-                if packed is not None and t is module.weight:
-                    nbytes += (t.shape[0] - packed.numel() // t.shape[1]) * t.shape[1] * t.element_size()
-                else:
-                    nbytes += t.numel() * t.element_size()
+        nbytes = sum(streamed_bytes(module, seen) for module in model.modules()
+                     if not isinstance(module, torch.nn.Embedding) and "rotary" not in type(module).__name__.lower())
         return cls(matmul, nbytes, 2.0 * matmul, 2.0 * c.vocab_size * c.hidden_size)
+
+
+def streamed_bytes(module: torch.nn.Module, seen: set[int] | None = None) -> int:
+    """The bytes of its own tensors a decode step reads of `module` (not its children's), each
+    tensor once across calls sharing `seen`. A linear with its weight also packed for the kernel
+    (Linear.packed) streams the panels and only the rows past the last whole panel."""
+    seen = set() if seen is None else seen
+    packed = getattr(module, "packed", None)
+    nbytes = 0
+    for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        if t is None or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        if packed is not None and t is module.weight:
+            nbytes += (t.shape[0] - packed.numel() // t.shape[1]) * t.shape[1] * t.element_size()
+        else:
+            nbytes += t.numel() * t.element_size()
+    return nbytes
 
 
 def load_runner(args: argparse.Namespace, dtype: torch.dtype, model_dir: Path) -> Any:

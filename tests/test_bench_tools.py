@@ -280,6 +280,44 @@ def test_one_batch_runs_the_kv_cache_dtype_it_is_given(tmp_path, default_model_d
     assert row["decode_steps"] == 3 and row["decode_tok_s"] > 0
 
 
+def test_kernel_bench_slots_keep_prompts_contiguous_and_interleave_decoded_tokens():
+    from benchmarks.bench_kernels import decode_slots
+
+    table = decode_slots(batch=3, context=6, decoded=2)
+    assert table.dtype == torch.int32 and table.shape == (3, 6)
+    assert table.unique().numel() == 18  # every token its own slot
+    assert table[1, :4].tolist() == [4, 5, 6, 7]  # row 1's first tokens in a run of its own
+    assert table[:, 4].tolist() == [12, 13, 14] and table[:, 5].tolist() == [15, 16, 17]  # a step's rows side by side
+
+
+def test_kernel_bench_times_every_linear_and_attention_of_the_model(tmp_path, default_model_dir):
+    """End to end on a tiny random Llama: a row per linear per row count and per attention batch,
+    with the bytes and products of that op's shape, both timings, and the rates they give."""
+    from benchmarks import bench_kernels
+    from inproc import build_tiny_checkpoint, with_tokenizer
+    from worker_proc.model_config import ModelConfig
+
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=3, vocab_size=49152),
+                          default_model_dir)
+    result = bench_kernels.main(["--model-path", str(path), "--rows", "1,3", "--batch-sizes", "2", "--context", "40",
+                                 "--decoded", "8", "--rounds", "1", "--dtype", "float32", "--no-probe",
+                                 "--json", str(tmp_path / "kernels.json")])
+    c = ModelConfig.from_dir(path)
+    rows = {(r["op"], r["rows"]): r for r in result["results"]}
+    assert set(rows) == {(op, n) for op in bench_kernels.LINEARS for n in (1, 3)} | {("decode_attention", 2)}
+    qkv = rows["qkv_proj", 3]
+    assert qkv["shape_nk"] == [(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size]
+    assert qkv["flops"] == 2 * 3 * qkv["shape_nk"][0] * c.hidden_size
+    assert qkv["bytes"] >= qkv["shape_nk"][0] * c.hidden_size * 4  # float32 weights (and any bias)
+    assert rows["gate_up_proj", 1]["shape_nk"] == [2 * c.intermediate_size, c.hidden_size]
+    assert rows["lm_head", 1]["cached_s"] is None  # one head: no other layer's copy to compare
+    attention = rows["decode_attention", 2]
+    assert attention["bytes"] == 2 * 40 * 2 * c.num_kv_heads * c.head_dim * 4  # float32 K and V of 80 tokens
+    for row in result["results"]:
+        assert row["memory_s"] > 0 and row["memory_gbs"] == pytest.approx(row["bytes"] / row["memory_s"] / 1e9)
+        assert row["memory_pct_gemv"] is None  # (no probes)
+
+
 def test_sim_scale_times_loom_and_reads_vidur_metrics(tmp_path, capsys):
     from benchmarks.bench_sim_scale import main, vidur_summary
 
