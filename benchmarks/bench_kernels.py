@@ -2,7 +2,9 @@
 the given row counts, and decode attention over the KV layout a batch leaves in the pool, each from
 memory (as a step reads them: every layer's weights or pool in turn, evicted in between) and again
 from cache (one layer's, called over and over), against this CPU's GEMV and GEMM probes.
-bench_one_batch says how fast a whole step runs; this says which op holds it below the roofs.
+bench_one_batch says how fast a whole step runs; this says which op holds it below the roofs, and
+(`--ops step`) what the weights' stream costs a whole decode step: the compiled layer stack with
+the model's weights against one given layer 0's weights in every layer, which then stay in cache.
 
 Linears run as the model's op-by-op path calls them (the kernels, packing and dtype that launch.py
 would pick), each call in a parallel region of its own: a step's compiled layer stack runs them in
@@ -30,7 +32,7 @@ add_repo_to_path()
 
 import torch  # noqa: E402
 
-from benchmarks.bench_one_batch import streamed_bytes  # noqa: E402
+from benchmarks.bench_one_batch import WeightStats, streamed_bytes  # noqa: E402
 from benchmarks.probes import (PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs, header_lines,  # noqa: E402
                                probe_machine)
 from worker_proc.cpu_kernels import ISA_LEVELS  # noqa: E402
@@ -43,7 +45,8 @@ LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="linears,attention", help="comma list of linears, attention (default: %(default)s)")
+    p.add_argument("--ops", default="linears,attention",
+                   help="comma list of linears, attention, step (default: %(default)s)")
     p.add_argument("--rows", default="1,32,256", help="linears: comma list of row counts (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1,32,128", help="attention: comma list of decode rows (default: %(default)s)")
     p.add_argument("--context", type=int, default=160, help="attention: cached tokens a row (default: %(default)s)")
@@ -65,8 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="result file (default: benchmarks/results/bench_kernels_<time>.json)")
     args = p.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
-    if set(args.ops) - {"linears", "attention"}:
-        p.error(f"--ops: choose from linears, attention (got {','.join(args.ops)})")
+    if set(args.ops) - {"linears", "attention", "step"}:
+        p.error(f"--ops: choose from linears, attention, step (got {','.join(args.ops)})")
     args.rows = [int(r) for r in args.rows.split(",") if r]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     if min(args.rows + args.batch_sizes, default=1) < 1:
@@ -177,6 +180,48 @@ def time_attention(kernels: Any, pools: list[torch.Tensor], num_heads: int, head
             "bytes": batch * context * slot_bytes, "memory_s": memory_s, "cached_s": cached_s}
 
 
+# ---- whole steps -----------------------------------------------------------------------------------
+
+def layer0_stack(model: torch.nn.Module, kernels: Any) -> Any:
+    """A compiled layer stack like the model's with layer 0's weights (norms and linears) in every
+    layer: a step through it does the same work with its weights in cache (the LM head streams)."""
+    c, first = model.config, model.layers[0]
+    stack = kernels.LayerStack(model.shard.num_heads, model.shard.num_kv_heads, c.head_dim, c.rms_norm_eps)
+    stack.set_head(model.embed_tokens.weight, model.norm.weight, model.lm_head.kernel_spec())
+    attn, mlp = first.self_attn, first.mlp
+    for _ in model.layers:
+        stack.add_layer(first.input_layernorm.weight, first.post_attention_layernorm.weight,
+                        attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(), mlp.gate_up_proj.kernel_spec(),
+                        mlp.down_proj.kernel_spec())
+    return stack
+
+
+def time_steps(runner: Any, kernels: Any, batch: int, context: int, decoded: int, rounds: int) -> dict[str, Any]:
+    """Decode steps of `batch` rows from `context` - `decoded` to `context` cached tokens, through the
+    model's layer stack and through layer0_stack's in turn (`rounds` batches each): the median
+    step's forward time of each."""
+    from benchmarks.bench_one_batch import run_batch
+    from benchmarks.common import Request
+
+    model = runner.model
+    stacks = {"memory_s": model.layer_stack, "cached_s": layer0_stack(model, kernels)}
+    prompt = max(1, context - decoded)
+    requests = [Request(list(range(100, 100 + prompt)), max(2, decoded)) for _ in range(batch)]
+    times: dict[str, list[float]] = {key: [] for key in stacks}
+    try:
+        run_batch(runner, requests)  # (first steps at these shapes)
+        for _ in range(rounds):
+            for key, stack in stacks.items():
+                model.layer_stack = stack
+                times[key].append(statistics.median(s.forward_s for s in run_batch(runner, requests) if s.decode))
+    finally:
+        model.layer_stack = stacks["memory_s"]
+    weights = WeightStats.of(model, model.config)
+    return {"op": "decode_step", "rows": batch, "context": context, "decoded": decoded,
+            "flops": batch * weights.flops_per_token, "bytes": weights.bytes,  # (the weights; KV reads not counted)
+            **{key: statistics.median(v) for key, v in times.items()}}
+
+
 # ---- report ---------------------------------------------------------------------------------------
 
 def add_rates(row: dict[str, Any], gemv: float | None, gemm: float | None) -> dict[str, Any]:
@@ -197,7 +242,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             f"{'%GEMV':>6} {'%GEMM':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        op = r["op"] if r["op"] != "decode_attention" else f"attention@{r['context']}"
+        op = {"decode_attention": f"attention@{r.get('context')}", "decode_step": f"step@{r.get('context')}"}.get(r["op"], r["op"])
         lines.append(f"{op:<16} {r['rows']:>5}  {f(r['memory_s'], 1e6):>10} {f(r['cached_s'], 1e6):>10} "
                      f"{f(r['memory_gbs']):>9} {f(r['memory_gflops'], digits=0):>12} {f(r['memory_pct_gemv'], digits=0):>6} "
                      f"{f(r['memory_pct_gemm'], digits=0):>6}")
@@ -244,6 +289,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 row = time_attention(attention_kernels, runner.pool.kv, heads, config.head_dim, b, args.context,
                                      args.decoded, args.rounds, dtype)
                 rows.append(add_rates(row, gemv, gemm))
+        if "step" in args.ops and runner.model.layer_stack is None:
+            print("step: skipped (this model and build run no compiled layer stack)")
+        elif "step" in args.ops:
+            for b in args.batch_sizes:
+                rows.append(add_rates(time_steps(runner, kernels, b, args.context, args.decoded, args.rounds),
+                                      gemv, gemm))
     print(format_rows(rows))
     result = {"benchmark": "bench_kernels", "machine": machine, "dtype": dtype_name, "dtype_reason": dtype_reason,
               "quantization": args.quantization, "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),

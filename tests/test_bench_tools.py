@@ -318,6 +318,50 @@ def test_kernel_bench_times_every_linear_and_attention_of_the_model(tmp_path, de
         assert row["memory_pct_gemv"] is None  # (no probes)
 
 
+def test_kernel_bench_steps_with_the_models_weights_and_with_layer_0s(tmp_path, default_model_dir):
+    """--ops step: decode steps through the model's compiled stack and through one with layer 0's
+    weights in every layer, which computes the same shapes: both give a time, and the model's own
+    stack is back in place after."""
+    from benchmarks import bench_kernels
+    from benchmarks.bench_one_batch import WeightStats
+    from inproc import build_tiny_checkpoint, with_tokenizer
+
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=4, vocab_size=49152),
+                          default_model_dir)
+    result = bench_kernels.main(["--model-path", str(path), "--ops", "step", "--batch-sizes", "2", "--context", "12",
+                                 "--decoded", "4", "--rounds", "1", "--dtype", "float32", "--no-probe",
+                                 "--json", str(tmp_path / "steps.json")])
+    [row] = result["results"]
+    assert row["op"] == "decode_step" and row["rows"] == 2
+    assert row["memory_s"] > 0 and row["cached_s"] > 0
+    assert row["memory_gflops"] == pytest.approx(row["flops"] / row["memory_s"] / 1e9)
+
+
+def test_layer0_stack_gives_the_logits_of_a_model_whose_layers_all_hold_layer_0s_weights(tmp_path, default_model_dir):
+    from benchmarks.bench_kernels import layer0_stack
+    from inproc import build_tiny_checkpoint, with_tokenizer
+    from worker_proc.model_runner import ModelRunner, RunnerConfig
+
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=5, vocab_size=49152),
+                          default_model_dir)
+    runner = ModelRunner(RunnerConfig(str(path), torch.float32, 0.01, 2))
+    model = runner.model
+    if model.layer_stack is None:
+        pytest.skip("this build runs no compiled layer stack")
+    stack = layer0_stack(model, model.ops.kernels)
+    first = model.layers[0].state_dict()
+    with torch.no_grad():
+        for layer in model.layers[1:]:
+            layer.load_state_dict(first)
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                linear.pack_weight()
+    model.build_layer_stack()
+    args = (torch.tensor([5, 7]), torch.tensor([0, 1]), torch.tensor([0, 0]), model.rotary.cos, model.rotary.sin,
+            runner.pool.kv, torch.tensor([1, 2]), runner.pool.req_to_token, torch.tensor([0, 1]), torch.tensor([0, 1]),
+            torch.tensor([1, 1]), torch.tensor([1, 1]), model.config.head_dim**-0.5)
+    torch.testing.assert_close(stack.forward(*args), model.layer_stack.forward(*args))
+
+
 def test_sim_scale_times_loom_and_reads_vidur_metrics(tmp_path, capsys):
     from benchmarks.bench_sim_scale import main, vidur_summary
 
