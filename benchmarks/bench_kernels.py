@@ -105,13 +105,34 @@ def layer_linears(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     return linears
 
 
+def linear_shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """[N, K] of each linear from the config (quantized modules keep no [N, K] weight); gate_up:
+    the fused [gate; up]."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"qkv_proj": (q + 2 * kv, c.hidden_size), "o_proj": (c.hidden_size, q),
+            "gate_up_proj": (2 * c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size),
+            "lm_head": (c.vocab_size, c.hidden_size)}
+
+
+def linear_bytes(module: torch.nn.Module) -> int:
+    """What a call reads of the module's weights: an int4 layer with the integer GEMM's panels reads
+    those (its plain codes are the same weights again); others as bench_one_batch counts them."""
+    panels = getattr(module, "panels", None)
+    if panels is not None:
+        bias = getattr(module, "bias", None)
+        return panels.numel() * panels.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+    return streamed_bytes(module)
+
+
 def time_linears(model: torch.nn.Module, rows: int, rounds: int, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Per linear at `rows` rows: a call's median time from memory (every layer's module in the
     order a step calls them, so each one's weights were evicted by the others since its last use)
     and from cache (layer 0's module called again and again)."""
     linears = layer_linears(model)
+    shapes = linear_shapes(model.config)
     ops = model.ops
-    inputs = {name: torch.randn(rows, mods[0].weight.shape[1]).to(dtype) for name, mods in linears.items()}
+    inputs = {name: torch.randn(rows, shapes[name][1]).to(dtype) for name in linears}
 
     def call(name: str, module: torch.nn.Module) -> None:
         x = inputs[name]
@@ -135,13 +156,13 @@ def time_linears(model: torch.nn.Module, rows: int, rounds: int, dtype: torch.dt
     out = []
     for name, modules in linears.items():
         module = modules[0]
-        n, k = module.weight.shape
+        n, k = shapes[name]
         # (a gated [gate; up] gives silu(gate) * up: its products are those of both halves)
         flops = 2.0 * rows * n * k
         memory_s = statistics.median(p[name] for p in passes)
         cached_s = (median_time(lambda: [call(name, module) for _ in modules], rounds) / len(modules)
                     if len(modules) > 1 else None)  # (one LM head: it does not fit a cache anyway)
-        out.append({"op": name, "rows": rows, "shape_nk": [n, k], "bytes": streamed_bytes(module), "flops": flops,
+        out.append({"op": name, "rows": rows, "shape_nk": [n, k], "bytes": linear_bytes(module), "flops": flops,
                     "memory_s": memory_s, "cached_s": cached_s})
     return out
 

@@ -318,6 +318,25 @@ def test_kernel_bench_times_every_linear_and_attention_of_the_model(tmp_path, de
         assert row["memory_pct_gemv"] is None  # (no probes)
 
 
+def test_kernel_bench_times_quantized_linears_by_the_configs_shapes(tmp_path, default_model_dir):
+    """int4 layers keep no [N, K] weight: the shapes come from the config, and a call's bytes are
+    the integer panels it reads where the build has them (its plain codes are the same weights)."""
+    from benchmarks import bench_kernels
+    from inproc import build_tiny_checkpoint, with_tokenizer
+    from worker_proc.model_config import ModelConfig
+
+    path = with_tokenizer(build_tiny_checkpoint("llama", tmp_path / "llama", seed=6, vocab_size=49152),
+                          default_model_dir)
+    result = bench_kernels.main(["--model-path", str(path), "--ops", "linears", "--rows", "2", "--rounds", "1",
+                                 "--dtype", "float32", "--quantization", "int4", "--no-probe",
+                                 "--json", str(tmp_path / "int4.json")])
+    c = ModelConfig.from_dir(path)
+    down = {r["op"]: r for r in result["results"]}["down_proj"]
+    assert down["shape_nk"] == [c.hidden_size, c.intermediate_size]
+    # 4 bits a weight plus scales: well under float32's 4 bytes, over the codes' half byte
+    assert c.hidden_size * c.intermediate_size / 2 <= down["bytes"] < c.hidden_size * c.intermediate_size
+
+
 def test_kernel_bench_steps_with_the_models_weights_and_with_layer_0s(tmp_path, default_model_dir):
     """--ops step: decode steps through the model's compiled stack and through one with layer 0's
     weights in every layer, which computes the same shapes: both give a time, and the model's own
