@@ -115,16 +115,6 @@ def linear_shapes(config: Any) -> dict[str, tuple[int, int]]:
             "lm_head": (c.vocab_size, c.hidden_size)}
 
 
-def linear_bytes(module: torch.nn.Module) -> int:
-    """What a call reads of the module's weights: an int4 layer with the integer GEMM's panels reads
-    those (its plain codes are the same weights again); others as bench_one_batch counts them."""
-    panels = getattr(module, "panels", None)
-    if panels is not None:
-        bias = getattr(module, "bias", None)
-        return panels.numel() * panels.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
-    return streamed_bytes(module)
-
-
 def time_linears(model: torch.nn.Module, rows: int, rounds: int, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Per linear at `rows` rows: a call's median time from memory (every layer's module in the
     order a step calls them, so each one's weights were evicted by the others since its last use)
@@ -162,7 +152,7 @@ def time_linears(model: torch.nn.Module, rows: int, rounds: int, dtype: torch.dt
         memory_s = statistics.median(p[name] for p in passes)
         cached_s = (median_time(lambda: [call(name, module) for _ in modules], rounds) / len(modules)
                     if len(modules) > 1 else None)  # (one LM head: it does not fit a cache anyway)
-        out.append({"op": name, "rows": rows, "shape_nk": [n, k], "bytes": linear_bytes(module), "flops": flops,
+        out.append({"op": name, "rows": rows, "shape_nk": [n, k], "bytes": streamed_bytes(module, rows=rows), "flops": flops,
                     "memory_s": memory_s, "cached_s": cached_s})
     return out
 

@@ -157,15 +157,24 @@ class WeightStats:
         return cls(matmul, nbytes, 2.0 * matmul, 2.0 * c.vocab_size * c.hidden_size)
 
 
-def streamed_bytes(module: torch.nn.Module, seen: set[int] | None = None) -> int:
-    """The bytes of its own tensors a decode step reads of `module` (not its children's), each
-    tensor once across calls sharing `seen`. A linear with its weight also packed for the kernel
-    (Linear.packed) streams the panels and only the rows past the last whole panel."""
+def streamed_bytes(module: torch.nn.Module, seen: set[int] | None = None, rows: int = 1) -> int:
+    """The bytes of its own tensors a step of `rows` rows reads of `module` (not its children's),
+    each tensor once across calls sharing `seen`. A linear with its weight also packed for the
+    kernel (Linear.packed) streams the panels and only the rows past the last whole panel; an int4
+    one holding the integer GEMM's panels too reads those from int4_panel_rows() rows, its plain
+    codes below that (the same weights in two forms)."""
     seen = set() if seen is None else seen
     packed = getattr(module, "packed", None)
+    unread: set[int] = set()
+    if (panels := getattr(module, "panels", None)) is not None and hasattr(module, "minimum"):
+        kernels = module.ops.kernels
+        if rows >= (kernels.int4_panel_rows() if kernels is not None else 2):
+            unread = {module.qweight.data_ptr(), module.scale.data_ptr(), module.minimum.data_ptr()}
+        else:
+            unread = {panels.data_ptr()}
     nbytes = 0
     for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-        if t is None or t.data_ptr() in seen:
+        if t is None or t.data_ptr() in seen or t.data_ptr() in unread:
             continue
         seen.add(t.data_ptr())
         if packed is not None and t is module.weight:

@@ -143,6 +143,26 @@ def test_weight_stats_count_packed_panels_instead_of_the_weight():
     assert stats.bytes == (2 * 8 * 16 + 8 * 8) * 4
 
 
+def test_an_int4_layer_streams_its_panels_or_its_codes_by_the_row_count():
+    """An int4 linear holds its weights twice (plain codes with scales and mins, and the integer
+    GEMM's panels); a step reads the panels from int4_panel_rows() rows and the codes below."""
+    from benchmarks.bench_one_batch import streamed_bytes
+    from worker_proc.linear import Int4Linear
+    from worker_proc.ops import Ops
+
+    kernels = cpu_kernels.load("native")
+    if kernels is None or not kernels.integer_panels():
+        pytest.skip("this build has no integer panels")
+    layer = Int4Linear(torch.randn(64, 128), None, Ops(kernels))
+    assert layer.panels is not None
+    size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    codes, panels = size(layer.qweight, layer.scale, layer.minimum), size(layer.panels)
+    from_rows = kernels.int4_panel_rows()
+    assert streamed_bytes(layer, rows=from_rows) == panels
+    if from_rows > 1:
+        assert streamed_bytes(layer, rows=1) == codes
+
+
 def test_step_summary_and_rooflines():
     steps = [Step(False, 4, 4 * 100, forward_s=0.5, step_s=1.0)] + \
             [Step(True, 4, 4, forward_s=0.09, step_s=0.1) for _ in range(3)]
@@ -320,7 +340,7 @@ def test_kernel_bench_times_every_linear_and_attention_of_the_model(tmp_path, de
 
 def test_kernel_bench_times_quantized_linears_by_the_configs_shapes(tmp_path, default_model_dir):
     """int4 layers keep no [N, K] weight: the shapes come from the config, and a call's bytes are
-    the integer panels it reads where the build has them (its plain codes are the same weights)."""
+    one form of its weights: the integer panels or the plain codes, not both."""
     from benchmarks import bench_kernels
     from inproc import build_tiny_checkpoint, with_tokenizer
     from worker_proc.model_config import ModelConfig

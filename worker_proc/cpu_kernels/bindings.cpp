@@ -67,6 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("minimum"), pybind11::arg("panels") = pybind11::none());
   m.def("integer_panels", &integer_panels, "whether this build has the integer GEMM panels (linear_int4_panels; pack_int8's layout): AVX2 or AVX512-VNNI integer products");
   m.def("pack_int4_panels", &pack_int4_panels, "int4 codes [N, K/2] with float16 scale/min [N, K/32] in the panels of linear_int4_panels");
+  m.def("int4_panel_rows", &int4_panel_rows, "rows of x from which linear_int4 (and a step's layers) read the panels, not the plain codes");
   m.def("linear_int4_panels", &linear_int4_panels, "x @ w.T [M, n] on pack_int4_panels' weights, int8 activations per group of 32");
   m.def("dense_f32_rows", &dense_f32_rows, "rows of x up to which float32 linear_dense beats torch's GEMM (0: few)");
   m.def("dense_bf16_dot", &dense_bf16_dot, "whether bfloat16 linears use bf16 dot products (vdpbf16ps)");
