@@ -230,8 +230,9 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
     last layer narrowed to the logit rows), mixed and decode steps, one-row steps (bfloat16: their
     own linears without AMX) included; bfloat16 on packed weights, float32 activations on float32,
     int8 or int4 panels with a float32 or float16 KV cache; int8 KV caches under both; bfloat16 on
-    int8 / int4 panels (AMX tiles over the widened weights) in steps of amx_panel_rows() rows or more.
-    The same steps with the region run over row chunks give the same logits too."""
+    int8 / int4 panels (AMX tiles over the widened weights in steps of amx_panel_rows() rows or
+    more, the integer GEMM's products below them and without AMX). The same steps with the region
+    run over row chunks give the same logits too."""
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
     if dtype == "bfloat16" and not kernel.packed_bf16_rows():
@@ -240,8 +241,6 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
         pytest.skip("no float32 panels (AVX2 and FMA) in this build")
     if quantization != "none" and not kernel.integer_panels():
         pytest.skip("no integer panels (AVX2 or AVX512-VNNI) in this build")
-    if quantization != "none" and dtype == "bfloat16" and not kernel.amx_panel_rows():
-        pytest.skip("bfloat16 steps take integer panels in one region on AMX tiles only")
     # head_dim 64 (the default model's), every N and K a multiple of 32
     path = build_tiny_checkpoint("llama", tmp_path, seed=7, vocab_size=1024, hidden_size=128, num_attention_heads=2,
                                  num_key_value_heads=1, intermediate_size=256)
@@ -256,8 +255,7 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
         stack.one_region = True
         steps = stack.one_region_steps
         out_region, logits_region, rows = _run_and_capture(fast, batch)
-        # every step; bfloat16 on integer panels those of amx_panel_rows() rows or more
-        in_region = [n for n in rows if quantization == "none" or dtype == "float32" or n >= kernel.amx_panel_rows()]
+        in_region = rows  # every step
         assert len(rows) == len(logits_region) and in_region
         assert stack.one_region_steps - steps == len(in_region)
         stack.one_region = False

@@ -440,8 +440,10 @@ void rms_norm_team(const float* x, float* residual, const float* weight, float* 
                  static_cast<float>(eps), h.data(), r.data());
 }
 
+namespace {
 // (spans of a row among the team: a decode step's one row is work for both threads)
-void silu_mul_team(const float* x, float* out, int64_t rows, int64_t inter) {
+template <typename T>
+void silu_mul_spans_team(const T* x, T* out, int64_t rows, int64_t inter) {
   constexpr int64_t kSpan = 256;  // a multiple of every vector width: the same lanes as whole rows
   const int64_t spans = (inter + kSpan - 1) / kSpan;
   float g[kSpan], u[kSpan];
@@ -450,6 +452,13 @@ void silu_mul_team(const float* x, float* out, int64_t rows, int64_t inter) {
     const int64_t r = i / spans, c0 = i % spans * kSpan, n = std::min(kSpan, inter - c0);
     silu_mul_span(x + r * 2 * inter + c0, x + r * 2 * inter + inter + c0, out + r * inter + c0, n, g, u);
   }
+}
+}  // namespace
+
+void silu_mul_team(const float* x, float* out, int64_t rows, int64_t inter) { silu_mul_spans_team(x, out, rows, inter); }
+
+void silu_mul_team(const at::BFloat16* x, at::BFloat16* out, int64_t rows, int64_t inter) {
+  silu_mul_spans_team(x, out, rows, inter);
 }
 
 namespace {

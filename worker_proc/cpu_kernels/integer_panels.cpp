@@ -653,8 +653,10 @@ at::Tensor linear_int8_panels(at::Tensor x, at::Tensor panels, at::Tensor scale)
 #endif
 }
 
-void linear_int8_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, const float* scale,
-                             int64_t n_out, const IntegerScratch& scratch, float* y, loom::BlockClaims& claims) {
+namespace {
+template <typename T>
+void int8_panels_team(const T* x, int64_t m, int64_t k, const at::Tensor& panels, const float* scale, int64_t n_out,
+                      const IntegerScratch& scratch, T* y, loom::BlockClaims& claims) {
 #if defined(LOOM_INTEGER_PANELS)
   const auto* w = static_cast<const Int8PanelCode*>(panels.data_ptr());
   linear_panels_team(x, m, k, scratch, y, n_out, claims, int8_tiles(w, k / kGroup, scale));
@@ -663,11 +665,33 @@ void linear_int8_panels_team(const float* x, int64_t m, int64_t k, const at::Ten
 #endif
 }
 
-void linear_int4_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
-                             const IntegerScratch& scratch, float* y, loom::BlockClaims& claims) {
+template <typename T>
+void int4_panels_team(const T* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
+                      const IntegerScratch& scratch, T* y, loom::BlockClaims& claims) {
 #if defined(LOOM_INTEGER_PANELS)
   linear_panels_team(x, m, k, scratch, y, n_out, claims, int4_tiles(Int4Panels{panels.data_ptr<uint8_t>(), k / kGroup}));
 #else
   TORCH_CHECK(false, "linear_int4_panels needs AVX2 or AVX512-VNNI (see integer_panels())");
 #endif
+}
+}  // namespace
+
+void linear_int8_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, const float* scale,
+                             int64_t n_out, const IntegerScratch& scratch, float* y, loom::BlockClaims& claims) {
+  int8_panels_team(x, m, k, panels, scale, n_out, scratch, y, claims);
+}
+
+void linear_int8_panels_team(const at::BFloat16* x, int64_t m, int64_t k, const at::Tensor& panels, const float* scale,
+                             int64_t n_out, const IntegerScratch& scratch, at::BFloat16* y, loom::BlockClaims& claims) {
+  int8_panels_team(x, m, k, panels, scale, n_out, scratch, y, claims);
+}
+
+void linear_int4_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
+                             const IntegerScratch& scratch, float* y, loom::BlockClaims& claims) {
+  int4_panels_team(x, m, k, panels, n_out, scratch, y, claims);
+}
+
+void linear_int4_panels_team(const at::BFloat16* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
+                             const IntegerScratch& scratch, at::BFloat16* y, loom::BlockClaims& claims) {
+  int4_panels_team(x, m, k, panels, n_out, scratch, y, claims);
 }

@@ -145,6 +145,7 @@ void linear_f32_panels_team(const float* x, int64_t m, int64_t k, const float* p
 void rms_norm_team(const float* x, float* residual, const float* weight, float* out, int64_t rows, int64_t dim,
                    double eps);
 void silu_mul_team(const float* x, float* out, int64_t rows, int64_t inter);  // x [rows, 2 inter] = [gate | up]
+void silu_mul_team(const at::BFloat16* x, at::BFloat16* out, int64_t rows, int64_t inter);
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float* kv,
                         const int64_t* slots);
@@ -173,3 +174,8 @@ void linear_int8_panels_team(const float* x, int64_t m, int64_t k, const at::Ten
                              int64_t n_out, const IntegerScratch& scratch, float* y, loom::BlockClaims& claims);
 void linear_int4_panels_team(const float* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
                              const IntegerScratch& scratch, float* y, loom::BlockClaims& claims);
+// (bfloat16 x and y: x quantized as the op-by-op linear_int8 / linear_int4 quantize it)
+void linear_int8_panels_team(const at::BFloat16* x, int64_t m, int64_t k, const at::Tensor& panels, const float* scale,
+                             int64_t n_out, const IntegerScratch& scratch, at::BFloat16* y, loom::BlockClaims& claims);
+void linear_int4_panels_team(const at::BFloat16* x, int64_t m, int64_t k, const at::Tensor& panels, int64_t n_out,
+                             const IntegerScratch& scratch, at::BFloat16* y, loom::BlockClaims& claims);

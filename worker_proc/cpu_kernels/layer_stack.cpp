@@ -84,25 +84,40 @@ struct LinearWeights {
     return from && rows >= from && (int8_panels() || int4_panels()) && amx_panels_take(panels(), out_features());
   }
   const at::Tensor& panels() const { return int8_panels() ? tensors[0] : tensors[3]; }
+  // int8 or int4 panels that a bfloat16 step of `rows` rows runs on the integer GEMM's products,
+  // as float32 steps do (x quantized per 32): where AMX tiles do not take them. In the region
+  // rather than op by op (AMD Zen 5, interleaved in one process): int4 decode steps of 1 / 4 / 32
+  // rows 1.09x / 1.11x / 1.16x, int8 1.10x / 1.08x / 1.05x, 128 rows 1.02-1.03x.
+  bool on_integer_panels(int64_t rows) const {
+    return !on_amx_panels(rows) && (int8_panels() || (int4_panels() && rows >= int4_panel_rows()));
+  }
   // What a bfloat16 step's one region takes: packed bfloat16 weights (the MLP's packed gated), or
-  // int8 / int4 panels on AMX tiles (gated: an MLP's [gate; up], giving silu(gate) * up)
+  // int8 / int4 panels on AMX tiles (gated: an MLP's [gate; up], giving silu(gate) * up) or on the
+  // integer GEMM (gated: [gate | up], silu_mul apart)
   bool in_bf16_region(int64_t rows, bool gated) const {
-    return (packed_bf16() && gated == this->gated()) || on_amx_panels(rows);
+    return (packed_bf16() && gated == this->gated()) || on_amx_panels(rows) || on_integer_panels(rows);
   }
-  // y's columns and the team's blocks in a bfloat16 region
-  int64_t bf16_cols(bool gated) const {
-    return packed_bf16() ? packed_bf16_cols(packed()) : gated ? out_features() / 2 : out_features();
+  // y's columns and the team's blocks in a bfloat16 region of `rows` rows
+  int64_t bf16_cols(bool gated, int64_t rows) const {
+    if (packed_bf16()) return packed_bf16_cols(packed());
+    return gated && !on_integer_panels(rows) ? out_features() / 2 : out_features();
   }
-  int64_t bf16_blocks(bool gated) const { return packed_bf16() ? packed().size(0) : amx_panel_blocks(out_features(), gated); }
-  // y [rows, out_features] = x [rows, k] @ W.T as a team form (in_f32_region(rows))
-  void team(const float* x, int64_t rows, int64_t k, float* y, const IntegerScratch& scratch,
-            loom::BlockClaims& claims) const {
+  int64_t bf16_blocks(bool gated, int64_t rows) const {
+    if (packed_bf16()) return packed().size(0);
+    return on_integer_panels(rows) ? team_blocks() : amx_panel_blocks(out_features(), gated);
+  }
+  // y [rows, out_features] = x [rows, k] @ W.T as a team form (in_f32_region(rows); bfloat16:
+  // on_integer_panels(rows))
+  template <typename T>
+  void team(const T* x, int64_t rows, int64_t k, T* y, const IntegerScratch& scratch, loom::BlockClaims& claims) const {
     if (int8_panels())
       linear_int8_panels_team(x, rows, k, tensors[0], tensors[1].data_ptr<float>(), out_features(), scratch, y, claims);
     else if (int4_panels())
       linear_int4_panels_team(x, rows, k, tensors[3], out_features(), scratch, y, claims);
-    else
+    else if constexpr (std::is_same_v<T, float>)
       linear_f32_panels_team(x, rows, k, packed().data_ptr<float>(), y, out_features(), claims);
+    else
+      TORCH_CHECK(false, "float32 panels take float32 x");
   }
 };
 
@@ -269,9 +284,13 @@ class LayerStack {
     if (x.scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)
       if (x.size(1) % 16 || head_dim_ % 32 || (pool_type != at::kBFloat16 && pool_type != at::kChar)) return false;
+      // (every layer's MLP gives silu(gate) * up in its linear, or every one [gate | up]: one buffer
+      // layout for the step)
+      const bool silu_apart = layers_[0].gate_up.on_integer_panels(t);
       for (const Layer& layer : layers_)
         if (!layer.qkv.in_bf16_region(t, false) || !layer.o.in_bf16_region(t, false) ||
             !layer.gate_up.in_bf16_region(t, true) || !layer.down.in_bf16_region(t, false) ||
+            layer.gate_up.on_integer_panels(t) != silu_apart ||
             layer.input_norm.scalar_type() != at::kBFloat16 || layer.post_norm.scalar_type() != at::kBFloat16)
           return false;
       return true;
@@ -366,17 +385,19 @@ class LayerStack {
     ++one_region_steps;
     constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
     const int64_t t = x.size(0), hidden = x.size(1), q_size = num_heads_ * head_dim_;
-    // (bfloat16: the MLP's gated [gate; up] gives silu(gate) * up; float32: [gate | up], then silu_mul)
-    const auto cols = [](const LinearWeights& w, bool gated = false) {
-      if constexpr (bf16) return w.bf16_cols(gated);
+    // (bfloat16 on packed weights or AMX tiles: the MLP's gated [gate; up] gives silu(gate) * up;
+    // float32, and bfloat16 on the integer GEMM: [gate | up], then silu_mul)
+    const bool silu_apart = !bf16 || layers_[0].gate_up.on_integer_panels(t);
+    const auto cols = [t](const LinearWeights& w, bool gated = false) {
+      if constexpr (bf16) return w.bf16_cols(gated, t);
       else return w.out_features();
     };
     const int64_t qkv_cols = cols(layers_[0].qkv), gate_up_cols = cols(layers_[0].gate_up, true);
-    const int64_t inter = bf16 ? gate_up_cols : gate_up_cols / 2;
+    const int64_t inter = silu_apart ? gate_up_cols / 2 : gate_up_cols;
     const auto empty = [&](int64_t n) { return at::empty({t, n}, x.options()); };
     residual = x;
     at::Tensor h = empty(hidden), qkv = empty(qkv_cols), attn = empty(q_size), proj = empty(hidden), mid = empty(inter);
-    at::Tensor gate_up = bf16 ? mid : empty(gate_up_cols);
+    at::Tensor gate_up = silu_apart ? empty(gate_up_cols) : mid;
     const std::unique_ptr<float[]> partials(new float[paged_attention_partial_floats(attention)]);
     const at::Tensor slots = out_cache_loc.to(at::kLong).contiguous();
     TORCH_CHECK(slots.numel() == t, "out_cache_loc: one pool slot per row expected");
@@ -391,7 +412,7 @@ class LayerStack {
       TORCH_CHECK(cols(layer.qkv) == qkv_cols && cols(layer.gate_up, true) == gate_up_cols, "layers of one shape expected");
       const LinearWeights* linears[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int j = 0; j < 4; ++j)
-        claims[4 * i + j].reset(bf16 ? linears[j]->bf16_blocks(j == 2) : linears[j]->team_blocks(), threads);
+        claims[4 * i + j].reset(bf16 ? linears[j]->bf16_blocks(j == 2, t) : linears[j]->team_blocks(), threads);
       pools[i] = kv[i].data_ptr<KV>();
     }
     T *xp = x.data_ptr<T>(), *hp = h.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(), *attnp = attn.data_ptr<T>(),
@@ -400,9 +421,16 @@ class LayerStack {
     const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
     // (bfloat16: one row without AMX streams the unpacked weights, as linear_dense does: faster there)
     const bool one_row = bf16 && t == 1 && !amx_bf16();
-    // x quantized for the integer panels (float32 steps), sized for the widest input
+    // x quantized for the integer panels (float32 steps, bfloat16 ones on the integer GEMM), sized
+    // for the widest input
+    bool quantizes_x = !bf16;
+    for (size_t i = 0; i < count && !quantizes_x; ++i)
+      for (const LinearWeights* w : {&layers_[i].qkv, &layers_[i].o, &layers_[i].gate_up, &layers_[i].down})
+        quantizes_x = quantizes_x || w->on_integer_panels(t);
     const int64_t widest = std::max({hidden, q_size, inter});
-    const auto buffer = [&](int64_t n, at::ScalarType type) { return at::empty({bf16 ? 0 : n}, x.options().dtype(type)); };
+    const auto buffer = [&](int64_t n, at::ScalarType type) {
+      return at::empty({quantizes_x ? n : 0}, x.options().dtype(type));
+    };
     const at::Tensor codes = buffer(t * widest, at::kChar), scales = buffer(2 * t * widest / 32, at::kFloat),
                      offsets = buffer(t * widest / 32, at::kInt);
     const IntegerScratch scratch{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>()};
@@ -412,7 +440,9 @@ class LayerStack {
                             bool gated = false) {
       const at::Tensor& w = weights.tensors[0];
       if constexpr (bf16) {
-        if (!weights.packed_bf16())  // int8 / int4 panels on AMX (in_bf16_region)
+        if (weights.on_integer_panels(t))
+          weights.team(in, t, k, out, scratch, claims);
+        else if (!weights.packed_bf16())  // int8 / int4 panels on AMX (in_bf16_region)
           linear_panels_amx_team(in, t, k, weights.panels(), weights.out_features(),
                                  weights.int8_panels() ? weights.tensors[1].data_ptr<float>() : nullptr,
                                  gated, out, claims);
@@ -440,7 +470,7 @@ class LayerStack {
       rms_norm_team(projp, xp, layer.post_norm.data_ptr<T>(), hp, t, hidden, eps_);
       linear(layer.gate_up, hp, hidden, gate_upp, claims[4 * i + 2], true);
 #pragma omp barrier
-      if constexpr (!bf16) silu_mul_team(gate_upp, midp, t, inter);
+      if (silu_apart) silu_mul_team(gate_upp, midp, t, inter);
       linear(layer.down, midp, inter, projp, claims[4 * i + 3]);
 #pragma omp barrier
     }
