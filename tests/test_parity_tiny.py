@@ -102,7 +102,7 @@ def test_layer_stack_matches_the_per_layer_path(tiny):
     """Decode steps through the compiled layer stack give the logits of the per-layer Python path."""
     runner, model = tiny.runner, tiny.runner.model
     if model.layer_stack is None:
-        pytest.skip("no layer stack: torch backend, or per-head q/k norms")
+        pytest.skip("no layer stack: the torch backend")
 
     def decode_logits() -> list[torch.Tensor]:
         captured, stack_calls = [], []
@@ -229,7 +229,7 @@ def test_layer_stack_weights_lie_in_step_order(tiny):
 
     model = tiny.runner.model
     if model.layer_stack is None:
-        pytest.skip("no layer stack: torch backend, or per-head q/k norms")
+        pytest.skip("no layer stack: the torch backend")
     starts = []
     for layer in model.layers:
         for module in (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,

@@ -51,7 +51,7 @@ TINY_CASES = [("qwen3", 2), ("qwen3", 4), ("qwen2", 2), ("llama", 4)]
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory, default_model_dir):
-    """qwen3: 8 query / 4 KV heads (per-head q/k norms: the Python path); qwen2: q/k/v biases;
+    """qwen3: 8 query / 4 KV heads (per-head q/k norms: the layer stack op by op); qwen2: q/k/v biases;
     llama: 4 query / 2 KV heads (at 4 ranks each KV head is replicated; the compiled layer stack)."""
     sizes = {"qwen3": dict(num_attention_heads=8, num_key_value_heads=4)}
     models = {}

@@ -134,6 +134,7 @@ LinearWeights from_spec(const LinearSpec& spec) {
 struct Layer {
   at::Tensor input_norm, post_norm;
   LinearWeights qkv, o, gate_up, down;
+  at::Tensor q_norm, k_norm;  // per-head RMSNorms of q and k (Qwen3), undefined where the model has none
 };
 
 at::Tensor as_i64(const at::Tensor& v) { return v.to(at::kLong).contiguous(); }
@@ -188,8 +189,11 @@ class LayerStack {
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
-                 const LinearSpec& gate_up, const LinearSpec& down) {
-    layers_.push_back({input_norm, post_norm, from_spec(qkv), from_spec(o), from_spec(gate_up), from_spec(down)});
+                 const LinearSpec& gate_up, const LinearSpec& down, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    layers_.push_back({input_norm, post_norm, from_spec(qkv), from_spec(o), from_spec(gate_up), from_spec(down),
+                       q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor())});
   }
 
   // Logits (the model dtype) of the token rows in logit_rows. Writes each layer's K/V to its pool
@@ -234,6 +238,10 @@ class LayerStack {
         h = add_rms_norm(x, residual, layer.input_norm, eps_);
       }
       at::Tensor qkv = layer.qkv(h);
+      if (layer.q_norm.defined()) {  // (before the rotation, as the Python model's)
+        norm_heads(qkv, 0, num_heads_, layer.q_norm);
+        norm_heads(qkv, q_size, num_kv_heads_, layer.k_norm);
+      }
       rope_(qkv, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
       store_kv(kv[i], out_cache_loc, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size));
       int64_t rows = t;
@@ -273,6 +281,9 @@ class LayerStack {
                           const at::Tensor& out_cache_loc) const {
     int64_t t = x.size(0);
     for (size_t c = 1; c < chunks.size(); ++c) t = std::min(t, chunks[c] - chunks[c - 1]);
+    // (per-head q/k norms have no team form: such models run op by op)
+    for (const Layer& layer : layers_)
+      if (layer.q_norm.defined()) return false;
     if (all_reduce_ || t == 0 || !positions.is_contiguous() || positions.scalar_type() != at::kLong ||
         cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
         !sin.is_contiguous() || cos.size(1) != head_dim_ || sin.size(1) != head_dim_ || !out_cache_loc.is_contiguous())
@@ -477,6 +488,14 @@ class LayerStack {
     x = proj;
   }
 
+  // RMSNorm over each of `heads` head rows of qkv's columns [start, start + heads * head_dim), in
+  // place: the rows the Python model's q_norm / k_norm see ([t, heads, head_dim], contiguous).
+  void norm_heads(at::Tensor& qkv, int64_t start, int64_t heads, const at::Tensor& weight) const {
+    const int64_t t = qkv.size(0);
+    at::Tensor part = qkv.narrow(1, start, heads * head_dim_);
+    part.copy_(rms_norm(part.contiguous().view({t, heads, head_dim_}), weight, eps_).view({t, heads * head_dim_}));
+  }
+
   at::Tensor reduced(at::Tensor t) const {
     if (all_reduce_) all_reduce_(t);
     return t;
@@ -503,7 +522,9 @@ void bind_layer_stack(pybind11::module_& m) {
   pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())  // one per kernel build
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("set_head", &LayerStack::set_head)
-      .def("add_layer", &LayerStack::add_layer)
+      .def("add_layer", &LayerStack::add_layer, pybind11::arg("input_norm"), pybind11::arg("post_norm"),
+           pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
+           pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none())
       .def("set_tensor_parallel", &LayerStack::set_tensor_parallel)
       .def("forward", &LayerStack::forward)
       .def_readwrite("one_region", &LayerStack::one_region)

@@ -201,11 +201,12 @@ class CausalLM(nn.Module):
         """Hands the weights to the compiled layer stack, which then runs small steps from token
         ids to logits in one call: up to as many tokens as its linears take loom's kernels
         (Ops.dense_rows for unquantized weights, Ops.half_rows for float16 ones). Call after any
-        weight change (loading, quantization). Models with per-head q/k norms keep the Python path."""
+        weight change (loading, quantization). Models with per-head q/k norms run it op by op (no
+        one-region steps)."""
         kernels = self.ops.kernels
         # (it runs ids to logits: a pipeline stage's hidden states in and out take the Python path)
         whole = len(self.stage) == self.config.num_layers
-        if kernels is None or self.config.qk_norm or self.ops.small_m_rows == 0 or not whole:
+        if kernels is None or self.ops.small_m_rows == 0 or not whole:
             return False
         self._pack_weights_in_step_order()
         c = self.config
@@ -216,9 +217,10 @@ class CausalLM(nn.Module):
                                       self.tp.all_reduce)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                             attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(),
-                            mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec())
+                            mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec(), *qk_norms)
         self.layer_stack = stack
         linears = [mod for mod in self.modules() if hasattr(mod, "kernel_spec")]
         dense_dtypes = {mod.weight.dtype if isinstance(mod, Linear) else None for mod in linears}
