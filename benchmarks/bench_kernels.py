@@ -32,12 +32,10 @@ add_repo_to_path()
 
 import torch  # noqa: E402
 
-from benchmarks.bench_one_batch import WeightStats, streamed_bytes  # noqa: E402
+from benchmarks.bench_one_batch import WeightStats, add_model_args, streamed_bytes  # noqa: E402
 from benchmarks.probes import (PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs, header_lines,  # noqa: E402
                                probe_machine)
-from worker_proc.cpu_kernels import ISA_LEVELS  # noqa: E402
-from worker_proc.kv_cache import KV_CACHE_DTYPES, KVPool, resolve_kv_dtype  # noqa: E402
-from worker_proc.linear import QUANTIZATIONS  # noqa: E402
+from worker_proc.kv_cache import KVPool, resolve_kv_dtype  # noqa: E402
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
@@ -55,15 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--rounds", type=int, default=5, help="timed passes of each measurement; the median is taken "
                                                          "(default: %(default)s)")
-    p.add_argument("--model-path", default=None, help="checkpoint folder (default: loom's embedded model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto times both on this CPU, as the server does (default: %(default)s)")
-    p.add_argument("--kernel-isa", default="native", choices=ISA_LEVELS,
-                   help="the CPU kernels' instruction-set level, as launch.py (default: %(default)s)")
-    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                   help="weight-only quantization, as launch.py (default: %(default)s)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="dtype of the KV cache, as launch.py (default: %(default)s)")
+    add_model_args(p)
     p.add_argument("--no-probe", action="store_true", help="skip the GEMV / GEMM probes (no %% of roof)")
     p.add_argument("--json", default=None, help="result file (default: benchmarks/results/bench_kernels_<time>.json)")
     args = p.parse_args(argv)

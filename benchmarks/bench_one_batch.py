@@ -61,17 +61,12 @@ from worker_proc.kv_cache import KV_CACHE_DTYPES, KVPool, resolve_kv_dtype  # no
 from worker_proc.linear import QUANTIZATIONS  # noqa: E402
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-sizes", default="1,4,16,64,128", help="comma list (default: %(default)s)")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
-    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: %(default)s)")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that pick the model and how it runs, as launch.py names them (shared by the
+    benchmarks that load loom's model runner)."""
     p.add_argument("--model-path", default=None, help="checkpoint folder (default: loom's embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto times both on this CPU, as the server does (default: %(default)s)")
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "cpu"],
-                   help="loom's CPU kernels or plain torch ops, as launch.py (default: %(default)s)")
     p.add_argument("--kernel-isa", default="native", choices=ISA_LEVELS,
                    help="the CPU kernels' instruction-set level, as launch.py (default: %(default)s)")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
@@ -79,6 +74,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                    help="dtype of the KV cache, as launch.py's flag (auto picks as it does: the compute dtype, "
                         "or float16 with some --quantization; int8 on CPU: 0.53x bfloat16's bytes a decode step)")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,4,16,64,128", help="comma list (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: %(default)s)")
+    add_model_args(p)
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="loom's CPU kernels or plain torch ops, as launch.py (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (auto: cuda where a GPU is visible; default: %(default)s)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="on a GPU: every decode step eager")

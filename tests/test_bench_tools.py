@@ -300,6 +300,18 @@ def test_one_batch_runs_the_kv_cache_dtype_it_is_given(tmp_path, default_model_d
     assert row["decode_steps"] == 3 and row["decode_tok_s"] > 0
 
 
+def test_kernel_and_one_batch_benches_take_launch_pys_model_flags_alike():
+    """Both benches load the model as launch.py would, through one set of flags: every value the
+    one takes the other takes, `auto` included."""
+    from benchmarks import bench_kernels, bench_one_batch
+
+    flags = ["--dtype", "auto", "--kv-cache-dtype", "auto", "--quantization", "int8", "--kernel-isa", "avx2"]
+    kernels, one_batch = bench_kernels.parse_args(flags), bench_one_batch.parse_args(flags)
+    for name in ("model_path", "dtype", "kv_cache_dtype", "quantization", "kernel_isa"):
+        assert getattr(kernels, name) == getattr(one_batch, name)
+    assert kernels.kv_cache_dtype == "auto" and kernels.quantization == "int8"
+
+
 def test_kernel_bench_slots_keep_prompts_contiguous_and_interleave_decoded_tokens():
     from benchmarks.bench_kernels import decode_slots
 
