@@ -186,15 +186,9 @@ def time_attention(kernels: Any, pools: list[torch.Tensor], num_heads: int, head
 def layer0_stack(model: torch.nn.Module, kernels: Any) -> Any:
     """A compiled layer stack like the model's with layer 0's weights (norms and linears) in every
     layer: a step through it does the same work with its weights in cache (the LM head streams)."""
-    c, first = model.config, model.layers[0]
-    stack = kernels.LayerStack(model.shard.num_heads, model.shard.num_kv_heads, c.head_dim, c.rms_norm_eps)
-    stack.set_head(model.embed_tokens.weight, model.norm.weight, model.lm_head.kernel_spec())
-    attn, mlp = first.self_attn, first.mlp
-    qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+    stack, weights = model.headed_layer_stack(kernels), model.layers[0].layer_stack_args()
     for _ in model.layers:
-        stack.add_layer(first.input_layernorm.weight, first.post_attention_layernorm.weight,
-                        attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(), mlp.gate_up_proj.kernel_spec(),
-                        mlp.down_proj.kernel_spec(), *qk_norms)
+        stack.add_layer(*weights)
     return stack
 
 

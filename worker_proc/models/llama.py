@@ -121,6 +121,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, ops, shard, tp)
 
+    def layer_stack_args(self) -> tuple:
+        """This layer's weights as the compiled layer stack's add_layer takes them."""
+        attn, mlp = self.self_attn, self.mlp
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, attn.qkv_proj.kernel_spec(),
+                attn.o_proj.kernel_spec(), mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec(), *qk_norms)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried separately so each norm also does the residual add."""
@@ -197,6 +204,17 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(local.masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
+    def headed_layer_stack(self, kernels: Any) -> Any:
+        """A compiled layer stack of this model's shape with its embedding, final norm and LM head
+        (and its tensor-parallel shard), no layers yet."""
+        c = self.config
+        stack = kernels.LayerStack(self.shard.num_heads, self.shard.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        stack.set_head(self.embed_tokens.weight, self.norm.weight, self.lm_head.kernel_spec())
+        if self.tp.size > 1:
+            stack.set_tensor_parallel(self.shard.vocab_start, self.shard.vocab_end - self.shard.vocab_start,
+                                      self.tp.all_reduce)
+        return stack
+
     def build_layer_stack(self) -> bool:
         """Hands the weights to the compiled layer stack, which then runs small steps from token
         ids to logits in one call: up to as many tokens as its linears take loom's kernels
@@ -209,18 +227,9 @@ class CausalLM(nn.Module):
         if kernels is None or self.ops.small_m_rows == 0 or not whole:
             return False
         self._pack_weights_in_step_order()
-        c = self.config
-        stack = kernels.LayerStack(self.shard.num_heads, self.shard.num_kv_heads, c.head_dim, c.rms_norm_eps)
-        stack.set_head(self.embed_tokens.weight, self.norm.weight, self.lm_head.kernel_spec())
-        if self.tp.size > 1:
-            stack.set_tensor_parallel(self.shard.vocab_start, self.shard.vocab_end - self.shard.vocab_start,
-                                      self.tp.all_reduce)
+        stack = self.headed_layer_stack(kernels)
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                            attn.qkv_proj.kernel_spec(), attn.o_proj.kernel_spec(),
-                            mlp.gate_up_proj.kernel_spec(), mlp.down_proj.kernel_spec(), *qk_norms)
+            stack.add_layer(*layer.layer_stack_args())
         self.layer_stack = stack
         linears = [mod for mod in self.modules() if hasattr(mod, "kernel_spec")]
         dense_dtypes = {mod.weight.dtype if isinstance(mod, Linear) else None for mod in linears}
