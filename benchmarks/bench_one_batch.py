@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 from worker_proc.cpu_kernels import ISA_LEVELS  # noqa: E402
 from worker_proc.kv_cache import KV_CACHE_DTYPES, KVPool, resolve_kv_dtype  # noqa: E402
-from worker_proc.linear import QUANTIZATIONS  # noqa: E402
+from worker_proc.linear import QUANTIZATIONS, Int4Linear  # noqa: E402
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -172,12 +172,11 @@ def streamed_bytes(module: torch.nn.Module, seen: set[int] | None = None, rows: 
     seen = set() if seen is None else seen
     packed = getattr(module, "packed", None)
     unread: set[int] = set()
-    if (panels := getattr(module, "panels", None)) is not None and hasattr(module, "minimum"):
-        kernels = module.ops.kernels
-        if rows >= (kernels.int4_panel_rows() if kernels is not None else 2):
+    if isinstance(module, Int4Linear) and module.integer_gemm:  # (panels come only with the kernels)
+        if rows >= module.ops.kernels.int4_panel_rows():
             unread = {module.qweight.data_ptr(), module.scale.data_ptr(), module.minimum.data_ptr()}
         else:
-            unread = {panels.data_ptr()}
+            unread = {module.panels.data_ptr()}
     nbytes = 0
     for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
         if t is None or t.data_ptr() in seen or t.data_ptr() in unread:
