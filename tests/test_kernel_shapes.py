@@ -217,22 +217,28 @@ def test_bfloat16_model_on_packed_weights_follows_the_torch_backend(kernel, requ
     assert sum(a == b for a, b in zip(got_out, want_out)) >= 2
 
 
-REGION_CASES = [("bfloat16", "none", "auto"), ("float32", "none", "float32"), ("float32", "none", "float16"),
-                ("float32", "int8", "float16"), ("float32", "int4", "float32"), ("bfloat16", "none", "int8"),
-                ("float32", "none", "int8"), ("bfloat16", "int8", "auto"), ("bfloat16", "int4", "auto")]
+REGION_CASES = [("llama", "bfloat16", "none", "auto"), ("llama", "float32", "none", "float32"),
+                ("llama", "float32", "none", "float16"), ("llama", "float32", "int8", "float16"),
+                ("llama", "float32", "int4", "float32"), ("llama", "bfloat16", "none", "int8"),
+                ("llama", "float32", "none", "int8"), ("llama", "bfloat16", "int8", "auto"),
+                ("llama", "bfloat16", "int4", "auto"),
+                # a qkv bias (Qwen2), per-head q / k norms (Qwen3): QkvExtras in the region
+                ("qwen2", "bfloat16", "none", "auto"), ("qwen2", "float32", "none", "float32"),
+                ("qwen2", "float32", "int8", "float16"), ("qwen3", "bfloat16", "none", "auto"),
+                ("qwen3", "float32", "int4", "float32"), ("qwen3", "bfloat16", "int8", "auto")]
 
 
-@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", REGION_CASES,
-                         ids=[f"{d}-{q}-kv-{k}" for d, q, k in REGION_CASES])
-def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype, quantization, kv_cache_dtype):
+@pytest.mark.parametrize("arch,dtype,quantization,kv_cache_dtype", REGION_CASES,
+                         ids=[f"{a}-{d}-{q}-kv-{k}" for a, d, q, k in REGION_CASES])
+def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, arch, dtype, quantization, kv_cache_dtype):
     """The layer stack's steps in one parallel region (each op's team form, the linears' blocks
     balanced between threads) give the logits of its op-by-op calls bit for bit: prompt steps (the
     last layer narrowed to the logit rows), mixed and decode steps, one-row steps (bfloat16: their
     own linears without AMX) included; bfloat16 on packed weights, float32 activations on float32,
     int8 or int4 panels with a float32 or float16 KV cache; int8 KV caches under both; bfloat16 on
     int8 / int4 panels (AMX tiles over the widened weights in steps of amx_panel_rows() rows or
-    more, the integer GEMM's products below them and without AMX). The same steps with the region
-    run over row chunks give the same logits too."""
+    more, the integer GEMM's products below them and without AMX). Qwen2's qkv bias and Qwen3's
+    q / k norms too. The same steps with the region run over row chunks give the same logits too."""
     from worker_proc.model_runner import ModelRunner, RunnerConfig
 
     if dtype == "bfloat16" and not kernel.packed_bf16_rows():
@@ -242,7 +248,7 @@ def test_one_region_steps_equal_op_by_op_steps(kernel, request, tmp_path, dtype,
     if quantization != "none" and not kernel.integer_panels():
         pytest.skip("no integer panels (AVX2 or AVX512-VNNI) in this build")
     # head_dim 64 (the default model's), every N and K a multiple of 32
-    path = build_tiny_checkpoint("llama", tmp_path, seed=7, vocab_size=1024, hidden_size=128, num_attention_heads=2,
+    path = build_tiny_checkpoint(arch, tmp_path, seed=7, vocab_size=1024, hidden_size=128, num_attention_heads=2,
                                  num_key_value_heads=1, intermediate_size=256)
     fast = ModelRunner(RunnerConfig(str(path), getattr(torch, dtype), kv_cache_gb=0.02, max_running_requests=4,
                                     kernel_backend="cpu", kernel_isa=request.node.callspec.params["kernel"],

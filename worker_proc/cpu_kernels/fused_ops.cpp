@@ -403,13 +403,29 @@ void rms_norm_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFlo
                       static_cast<float>(eps));
 }
 
+namespace {
+// QkvExtras on one row of bfloat16 qkv, as the op-by-op steps compute them: the bias add rounded
+// as a bfloat16 tensor's add_, each head's norm by rms_norm's row function.
+void add_qkv_extras_bf16(at::BFloat16* row, const QkvExtras<at::BFloat16>& e, int64_t q_heads, int64_t kv_heads,
+                         int64_t head_dim) {
+  if (e.bias)
+    for (int64_t c = 0; c < (q_heads + 2 * kv_heads) * head_dim; c += 16)
+      store16_bf16(row + c, _mm512_add_ps(load_bf16(row + c), load_bf16(e.bias + c)));
+  if (e.q_norm)
+    for (int64_t h = 0; h < q_heads + kv_heads; ++h)
+      rms_norm_row_bf16(row + h * head_dim, nullptr, h < q_heads ? e.q_norm : e.k_norm, row + h * head_dim, head_dim,
+                        e.eps);
+}
+}  // namespace
+
 void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
                         const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                        at::BFloat16* kv, const int64_t* slots) {
+                        at::BFloat16* kv, const int64_t* slots, const QkvExtras<at::BFloat16>& extras) {
   const int64_t width = kv_heads * head_dim;
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     at::BFloat16* row = qkv + r * row_stride;
+    add_qkv_extras_bf16(row, extras, q_heads, kv_heads, head_dim);
     rope_row_bf16(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim);
     std::memcpy(kv + slots[r] * 2 * width, row + q_heads * head_dim, width * sizeof(at::BFloat16));
     std::memcpy(kv + (slots[r] * 2 + 1) * width, row + (q_heads + kv_heads) * head_dim, width * sizeof(at::BFloat16));
@@ -420,10 +436,11 @@ void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, con
 #if defined(__AVX512BF16__)
 void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
                         const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                        int8_t* kv, const int64_t* slots) {
+                        int8_t* kv, const int64_t* slots, const QkvExtras<at::BFloat16>& extras) {
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     at::BFloat16* row = qkv + r * row_stride;
+    add_qkv_extras_bf16(row, extras, q_heads, kv_heads, head_dim);
     rope_row_bf16(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim);
     quantize_kv_heads(kv, slots[r], row + q_heads * head_dim, row + (q_heads + kv_heads) * head_dim, kv_heads, head_dim);
   }
@@ -465,12 +482,19 @@ namespace {
 template <typename KV>
 void rope_store_kv_rows(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, KV* kv,
-                        const int64_t* slots) {
+                        const int64_t* slots, const QkvExtras<float>& extras) {
   const int64_t width = kv_heads * head_dim;
-  std::vector<float> scratch(3 * head_dim);
+  std::vector<float> scratch(3 * head_dim), norm_scratch(2 * head_dim);
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     float* row = qkv + r * row_stride;
+    // (extras as the op-by-op steps compute them: the bias add, each head by rms_norm's row function)
+    if (extras.bias)
+      for (int64_t c = 0; c < (q_heads + 2 * kv_heads) * head_dim; ++c) row[c] += extras.bias[c];
+    if (extras.q_norm)
+      for (int64_t h = 0; h < q_heads + kv_heads; ++h)
+        rms_norm_row(row + h * head_dim, static_cast<float*>(nullptr), h < q_heads ? extras.q_norm : extras.k_norm,
+                     row + h * head_dim, head_dim, extras.eps, norm_scratch.data(), norm_scratch.data() + head_dim);
     rope_row(row, cos + positions[r] * head_dim, sin + positions[r] * head_dim, q_heads + kv_heads, head_dim,
              scratch.data());
     if constexpr (std::is_same_v<KV, int8_t>) {
@@ -486,18 +510,18 @@ void rope_store_kv_rows(float* qkv, int64_t rows, int64_t row_stride, const int6
 
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float* kv,
-                        const int64_t* slots) {
-  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots);
+                        const int64_t* slots, const QkvExtras<float>& extras) {
+  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots, extras);
 }
 
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Half* kv,
-                        const int64_t* slots) {
-  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots);
+                        const int64_t* slots, const QkvExtras<float>& extras) {
+  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots, extras);
 }
 
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int8_t* kv,
-                        const int64_t* slots) {
-  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots);
+                        const int64_t* slots, const QkvExtras<float>& extras) {
+  rope_store_kv_rows(qkv, rows, row_stride, positions, cos, sin, q_heads, kv_heads, head_dim, kv, slots, extras);
 }

@@ -119,13 +119,24 @@ void linear_panels_amx_team(const at::BFloat16* x, int64_t m, int64_t k, const a
 // gated: W = an MLP's [gate; up] [2 inter, K] and y [inter] = silu(gate) * up (inter a multiple of 16)
 void linear_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t n, int64_t k, at::BFloat16* y);
 void gated_row_bf16_team(const at::BFloat16* x, const at::BFloat16* w, int64_t inter, int64_t k, at::BFloat16* y);
+// What a model adds to its qkv projection's rows before RoPE, each null where it has none: a bias
+// over the (q_heads + 2 kv_heads) * head_dim columns (Qwen2), then per-head RMSNorms of the q
+// heads and of the k heads (Qwen3), each computed as rms_norm computes the heads' rows.
+template <typename T>
+struct QkvExtras {
+  const T* bias = nullptr;
+  const T* q_norm = nullptr;
+  const T* k_norm = nullptr;
+  float eps = 0.f;
+};
 void rms_norm_team(const at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight, at::BFloat16* out,
                    int64_t rows, int64_t dim, double eps);  // dim a multiple of 16
-// rope_ on each row's q and k heads (head_dim a multiple of 32), then its k and v heads to pool
-// slot slots[r] of a bfloat16 kv [S, 2, kv_heads, head_dim]
+// extras, then rope_ on each row's q and k heads (head_dim a multiple of 32), then its k and v
+// heads to pool slot slots[r] of a bfloat16 kv [S, 2, kv_heads, head_dim]
 void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
                         const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                        at::BFloat16* kv, const int64_t* slots);
+                        at::BFloat16* kv, const int64_t* slots,
+                        const QkvExtras<at::BFloat16>& extras);
 int64_t paged_attention_partial_floats(const PagedAttentionPlan& plan);  // partials' size for the team form
 // run_paged_attention of q (rows q_row_stride apart) over the pool into out [N, H * D]
 void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
@@ -133,7 +144,7 @@ void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16
 // the same two over an int8 pool [S, 2, kv_heads, head_dim + 4] (kv_int8.h)
 void rope_store_kv_team(at::BFloat16* qkv, int64_t rows, int64_t row_stride, const int64_t* positions,
                         const float* cos, const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                        int8_t* kv, const int64_t* slots);
+                        int8_t* kv, const int64_t* slots, const QkvExtras<at::BFloat16>& extras);
 void run_paged_attention_team(const PagedAttentionPlan& plan, const at::BFloat16* q, int64_t q_row_stride,
                               const int8_t* kv, at::BFloat16* out, float* partials);
 // float32 throughout (the pool float32 or float16), as the op-by-op functions compute each row:
@@ -148,17 +159,17 @@ void silu_mul_team(const float* x, float* out, int64_t rows, int64_t inter);  //
 void silu_mul_team(const at::BFloat16* x, at::BFloat16* out, int64_t rows, int64_t inter);
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float* kv,
-                        const int64_t* slots);
+                        const int64_t* slots, const QkvExtras<float>& extras);
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, at::Half* kv,
-                        const int64_t* slots);
+                        const int64_t* slots, const QkvExtras<float>& extras);
 void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const float* kv,
                               float* out, float* partials);
 void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride,
                               const at::Half* kv, float* out, float* partials);
 void rope_store_kv_team(float* qkv, int64_t rows, int64_t row_stride, const int64_t* positions, const float* cos,
                         const float* sin, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int8_t* kv,
-                        const int64_t* slots);
+                        const int64_t* slots, const QkvExtras<float>& extras);
 void run_paged_attention_team(const PagedAttentionPlan& plan, const float* q, int64_t q_row_stride, const int8_t* kv,
                               float* out, float* partials);
 // The integer panels (pack_int8_panels' int8 weights with their float32 scale [n_out];

@@ -219,8 +219,7 @@ class CausalLM(nn.Module):
         """Hands the weights to the compiled layer stack, which then runs small steps from token
         ids to logits in one call: up to as many tokens as its linears take loom's kernels
         (Ops.dense_rows for unquantized weights, Ops.half_rows for float16 ones). Call after any
-        weight change (loading, quantization). Models with per-head q/k norms run it op by op (no
-        one-region steps)."""
+        weight change (loading, quantization)."""
         kernels = self.ops.kernels
         # (it runs ids to logits: a pipeline stage's hidden states in and out take the Python path)
         whole = len(self.stage) == self.config.num_layers
