@@ -225,7 +225,8 @@ REGION_CASES = [("llama", "bfloat16", "none", "auto"), ("llama", "float32", "non
                 # a qkv bias (Qwen2), per-head q / k norms (Qwen3): QkvExtras in the region
                 ("qwen2", "bfloat16", "none", "auto"), ("qwen2", "float32", "none", "float32"),
                 ("qwen2", "float32", "int8", "float16"), ("qwen3", "bfloat16", "none", "auto"),
-                ("qwen3", "float32", "int4", "float32"), ("qwen3", "bfloat16", "int8", "auto")]
+                ("qwen3", "float32", "int4", "float32"), ("qwen3", "bfloat16", "int8", "auto"),
+                ("qwen2", "bfloat16", "none", "int8"), ("qwen3", "float32", "none", "int8")]
 
 
 @pytest.mark.parametrize("arch,dtype,quantization,kv_cache_dtype", REGION_CASES,
