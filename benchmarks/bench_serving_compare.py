@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -60,7 +61,16 @@ def stop(proc: subprocess.Popen, group: bool = False) -> None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:  # none left
-            pass
+            return
+        # until the last of them is gone: a dying engine's processes still held the cores while the
+        # next server timed its dtype probe (an AMX Xeon's bfloat16 read 20x slow: it chose float32)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
 
 def client_args(args, port: int, label: str, model: str | None = None) -> list[str]:

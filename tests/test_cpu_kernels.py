@@ -595,6 +595,11 @@ def test_auto_dtype_times_the_linear_the_model_runs(kernel, monkeypatch):
     assert "torch's GEMM" in dtype_probe.resolve_dtype("auto", "cpu", None)[1]
 
 
+class _Bf16Products:
+    def packed_bf16_rows(self):
+        return 1 << 62
+
+
 def test_auto_dtype_survives_one_slow_round(monkeypatch):
     """A bfloat16 call that lost its core at start-up (8 ms where it takes 0.2) does not decide."""
     from worker_proc import dtype_probe
@@ -602,8 +607,35 @@ def test_auto_dtype_survives_one_slow_round(monkeypatch):
     monkeypatch.setattr(dtype_probe, "_linear_call", lambda dtype, kernels: dtype)
     rounds = iter([1.5e-3, 8e-3, 1.5e-3, 0.2e-3] + [1.5e-3, 0.2e-3] * (dtype_probe.PROBE_ROUNDS - 2))
     monkeypatch.setattr(dtype_probe, "best_seconds", lambda call, give_up_above=None: next(rounds))
-    dtype, why = dtype_probe.resolve_dtype("auto", "cpu", object())
+    dtype, why = dtype_probe.resolve_dtype("auto", "cpu", _Bf16Products())
     assert dtype == torch.bfloat16 and "bfloat16 0.20 ms" in why
+
+
+@pytest.mark.parametrize("has_products", [True, False])
+def test_auto_dtype_probes_again_where_bf16_products_lost(monkeypatch, has_products):
+    """Every first round slow for bfloat16 (the host busy): where the kernels have bfloat16
+    products the probe goes on after a pause and finds them; where they have none it does not
+    wait."""
+    from worker_proc import dtype_probe
+
+    monkeypatch.setattr(dtype_probe, "_linear_call", lambda dtype, kernels: dtype)
+    monkeypatch.setattr(dtype_probe, "RETRY_PAUSE_S", 0.0)
+    busy = 2 * dtype_probe.PROBE_ROUNDS  # calls of best_seconds in the first attempt
+    calls = []
+
+    def best_seconds(dtype, give_up_above=None):
+        calls.append(dtype)
+        if dtype == torch.float32:
+            return 1.5e-3
+        return 4e-3 if len(calls) <= busy else 0.2e-3
+
+    monkeypatch.setattr(dtype_probe, "best_seconds", best_seconds)
+    kernels = _Bf16Products() if has_products else type("NoProducts", (), {"packed_bf16_rows": lambda self: 0})()
+    dtype, why = dtype_probe.resolve_dtype("auto", "cpu", kernels)
+    if has_products:
+        assert dtype == torch.bfloat16 and "bfloat16 0.20 ms" in why and len(calls) == 2 * busy
+    else:
+        assert dtype == torch.float32 and "bfloat16 4.00 ms" in why and len(calls) == busy
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -47,6 +47,13 @@ def _linear_call(dtype: torch.dtype, kernels, m: int = 256, k: int = 576, n: int
 # to one of them waits out a scheduler quantum (a 0.2 ms bfloat16 linear read 8 ms on a 2-core AMX
 # Xeon, and auto chose float32), so both dtypes are timed in turns and each keeps its best.
 PROBE_ROUNDS = 3
+# Where the kernels have bfloat16 products (AMX, AVX512-BF16) and bfloat16 still lost, the probe
+# goes on after a pause, this many times: every call of the first rounds can fall in a busy stretch
+# of the host (a 2-core AMX Xeon, the server started right after another engine's processes were
+# killed: bfloat16 4.00 ms against its usual 0.17-0.21, float32 1.58; it served in float32 at a
+# third of its speed).
+RETRIES = 3
+RETRY_PAUSE_S = 0.25
 
 
 def resolve_dtype(name: str, device: str = "cpu", kernels=None) -> tuple[torch.dtype, str]:
@@ -60,12 +67,18 @@ def resolve_dtype(name: str, device: str = "cpu", kernels=None) -> tuple[torch.d
         return torch.bfloat16, "dtype bfloat16 (auto: accelerator)"
     fp32_call, bf16_call = _linear_call(torch.float32, kernels), _linear_call(torch.bfloat16, kernels)
     fp32 = bf16 = float("inf")
+    has_bf16_products = kernels is not None and bool(kernels.packed_bf16_rows())
     with torch.inference_mode():
-        for _ in range(PROBE_ROUNDS):
-            fp32 = min(fp32, best_seconds(fp32_call))
-            # (where bf16 products are widened, as on AVX2 CPUs, it runs several times slower: two calls tell)
-            bf16 = min(bf16, best_seconds(bf16_call, give_up_above=2 * fp32))
-    # bfloat16 halves weight traffic; take it only where its products are not slower.
+        for attempt in range(1 + (RETRIES if has_bf16_products else 0)):
+            if attempt:
+                time.sleep(RETRY_PAUSE_S)
+            for _ in range(PROBE_ROUNDS):
+                fp32 = min(fp32, best_seconds(fp32_call))
+                # (where bf16 products are widened, as on AVX2 CPUs, it runs several times slower: two calls tell)
+                bf16 = min(bf16, best_seconds(bf16_call, give_up_above=2 * fp32))
+            # bfloat16 halves weight traffic; take it only where its products are not slower.
+            if bf16 < fp32 * 0.9:
+                break
     chosen = "bfloat16" if bf16 < fp32 * 0.9 else "float32"
     on = "loom's kernels" if kernels is not None else "torch's GEMM"
     return DTYPES[chosen], (f"dtype {chosen} (auto: a 256-row linear on {on}: float32 {fp32*1e3:.2f} ms, "
