@@ -14,8 +14,10 @@ Reported per batch size: prefill s and tok/s; decode step ms (median) and tok/s;
 and the rooflines from the probes of the same run (by default each batch size's own: the mean of
 a GEMV and a GEMM probe right before and right after its timed steps; --probe-once takes the
 start-up probe's; --prefill-rounds N also times the prefill alone N more times, each between
-GEMM probes, and reports the median of those rounds' shares of the roof: on a VM whose GEMM rate
-moves within minutes, one pair of probes around a batch's whole run can straddle a change):
+GEMM probes, and reports the median of those rounds' shares of the roof, and --decode-rounds N
+runs the batch N more times, each between GEMV probes, for the decode's share of the bandwidth
+roof: on a VM whose rates move within minutes, one pair of probes around a batch's whole run can
+straddle a change):
   bandwidth  a decode step streams every weight once and each row's KV cache: batch x GEMV rate /
              (weight bytes + batch x mean context x KV bytes per token) tok/s (at batch 1 the
              limit of single-stream decode);
@@ -27,6 +29,7 @@ moves within minutes, one pair of probes around a batch's whole run can straddle
     python benchmarks/bench_one_batch.py --dtype float32 --json out.json
     python benchmarks/bench_one_batch.py --batch-sizes 1 --quantization int4 --llamacpp-baseline
     python benchmarks/bench_one_batch.py --batch-sizes 256 --input-len 128 --output-len 16 --prefill-rounds 5
+    python benchmarks/bench_one_batch.py --batch-sizes 1 --input-len 128 --output-len 64 --decode-rounds 6
     python benchmarks/bench_one_batch.py --batch-sizes 128,256 --input-len 128 --output-len 64 --kv-cache-dtype int8
 
 Writes --json (default: benchmarks/results/bench_one_batch_<timestamp>.json) and a plot of
@@ -49,8 +52,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root and `benchm
 from benchmarks.common import (Request, add_repo_to_path, default_result_path, embedded_gguf,  # noqa: E402
                                fixed_length_requests, format_table, gguf_format, llama_cpp_installed, num_cores,
                                write_json)
-from benchmarks.probes import (GEMV_WORKING_SET, PROBE_DTYPES, describe_machine, gemm_gflops, gemv_gbs,  # noqa: E402
-                               header_lines, load_loom_gemv, probe_gemm, probe_gemv, probe_machine)
+from benchmarks.probes import (GEMV_WORKING_SET, PROBE_DTYPES, GemvProbe, describe_machine, gemm_gflops,  # noqa: E402
+                               gemv_gbs, header_lines, load_loom_gemv, probe_gemm, probe_gemv, probe_machine)
 
 add_repo_to_path()
 
@@ -109,6 +112,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "between GEMM probes (probe, prefill, probe, prefill, ..., probe), and report the median "
                         "of the rounds' shares of the GEMM roof as its prefill %%GEMM (default: %(default)s: "
                         "the share from the batch's own probes)")
+    p.add_argument("--decode-rounds", type=int, default=0,
+                   help="after each batch size's run, run the batch this many more times, each between GEMV "
+                        "probes (probe, batch, probe, ..., probe), and report the median of the rounds' decode "
+                        "shares of the bandwidth roof as its %%BW roof (default: %(default)s: the share from "
+                        "the batch's own probes; on a VM whose memory rate moves within seconds, probes around "
+                        "a whole run straddle its changes)")
     p.add_argument("--json", type=Path, default=None,
                    help="result file (default: benchmarks/results/bench_one_batch_<timestamp>.json)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
@@ -128,10 +137,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch-sizes wants comma-separated integers, got {args.batch_sizes!r}")
     if not args.batch_sizes or args.batch_sizes[0] < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("batch sizes, --input-len and --output-len must be at least 1")
-    if args.prefill_rounds < 0:
-        p.error("--prefill-rounds must be at least 0")
-    if args.prefill_rounds and (args.no_probe or args.probe_once):
-        p.error("--prefill-rounds takes probes of its own: drop --no-probe / --probe-once")
+    for flag in ("prefill_rounds", "decode_rounds"):
+        name = "--" + flag.replace("_", "-")
+        if getattr(args, flag) < 0:
+            p.error(f"{name} must be at least 0")
+        if getattr(args, flag) and (args.no_probe or args.probe_once):
+            p.error(f"{name} takes probes of its own: drop --no-probe / --probe-once")
     return args
 
 
@@ -313,19 +324,25 @@ def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: floa
     })
 
 
-def prefill_rounds(run_prefill: Callable[[], float], probe_gflops: Callable[[], float], rounds: int,
-                   prefill_roof_per_gflops: float) -> dict[str, Any]:
-    """`rounds` prefills, each between GEMM probes (probe, prefill, probe, ...): per round its
-    tok/s and its share of the GEMM roof taken from the mean of the probes either side; the median
-    share is the figure (a round that straddles a change of the VM's rate moves only itself)."""
-    probes = [probe_gflops()]
+def probed_rounds(run: Callable[[], float], probe: Callable[[], float], rounds: int,
+                  roof_per_rate: float) -> dict[str, Any]:
+    """`rounds` runs, each between probes (probe, run, probe, ...): per round its tok/s and its
+    share of the roof (roof_per_rate x the probed rate) taken from the mean of the probes either
+    side; the median share is the figure (a round that straddles a change of the VM's rate moves
+    only itself)."""
+    probes = [probe()]
     tok_s: list[float] = []
     for _ in range(rounds):
-        tok_s.append(run_prefill())
-        probes.append(probe_gflops())
-    pcts = [100.0 * t / (prefill_roof_per_gflops * (a + b) / 2) for t, a, b in zip(tok_s, probes, probes[1:])]
-    return {"prefill_tok_s": tok_s, "gemm_gflops": probes, "pct_of_gemm_roof": pcts,
-            "median_pct_of_gemm_roof": statistics.median(pcts)}
+        tok_s.append(run())
+        probes.append(probe())
+    pcts = [100.0 * t / (roof_per_rate * (a + b) / 2) for t, a, b in zip(tok_s, probes, probes[1:])]
+    return {"tok_s": tok_s, "probes": probes, "pct_of_roof": pcts, "median_pct_of_roof": statistics.median(pcts)}
+
+
+def describe_rounds(rounds: dict[str, Any], unit: str, roof: str) -> str:
+    return (", ".join(f"{t:.0f} tok/s = {p:.1f}%" for t, p in zip(rounds["tok_s"], rounds["pct_of_roof"]))
+            + f" of the {roof} roof (probes {', '.join(f'{g:.0f}' for g in rounds['probes'])} {unit})"
+            f" -> median {rounds['median_pct_of_roof']:.1f}%")
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -486,23 +503,44 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     with torch.inference_mode():
                         return probe_gemm(dtype_name, kernel=paired_kernel)["gflops"]
 
-                rounds = prefill_rounds(run_prefill, probe_gflops, args.prefill_rounds,
-                                        1e9 / prompt_flops(weights, args.input_len))
+                rounds = probed_rounds(run_prefill, probe_gflops, args.prefill_rounds,
+                                       1e9 / prompt_flops(weights, args.input_len))
                 row["prefill_rounds"] = rounds
                 row["prefill_pct_of_gemm_roof_own_probes"] = row["prefill_pct_of_gemm_roof"]
-                row["prefill_pct_of_gemm_roof"] = rounds["median_pct_of_gemm_roof"]
-                print(f"batch {bs} prefill rounds: " + ", ".join(
-                    f"{t:.0f} tok/s = {p:.1f}%" for t, p in zip(rounds["prefill_tok_s"], rounds["pct_of_gemm_roof"]))
-                    + f" of the GEMM roof (probes {', '.join(f'{g:.0f}' for g in rounds['gemm_gflops'])} GFLOP/s)"
-                    f" -> median {rounds['median_pct_of_gemm_roof']:.1f}%", flush=True)
+                row["prefill_pct_of_gemm_roof"] = rounds["median_pct_of_roof"]
+                print(f"batch {bs} prefill rounds: " + describe_rounds(rounds, "GFLOP/s", "GEMM"), flush=True)
+            if args.decode_rounds:
+                bar.set_description(f"batch {bs} decode rounds")
+
+                def run_decode() -> float:
+                    return summarize_steps(bs, args.input_len, run_batch(runner, requests))["decode_tok_s"]
+
+                with torch.inference_mode():  # (its weights stay allocated through the rounds)
+                    gemv = GemvProbe(dtype_name, paired_kernel, working_set=working_set)
+
+                def probe_gbs() -> float:
+                    with torch.inference_mode():
+                        return gemv.measure()["best_gbs"]
+
+                rounds = probed_rounds(run_decode, probe_gbs, args.decode_rounds,
+                                       bs * 1e9 / (weights.bytes + kv_bytes_per_step(bs)))
+                del gemv
+                row["decode_rounds"] = rounds
+                row["decode_pct_of_bandwidth_roof_own_probes"] = row["decode_pct_of_bandwidth_roof"]
+                row["decode_pct_of_bandwidth_roof"] = rounds["median_pct_of_roof"]
+                print(f"batch {bs} decode rounds: " + describe_rounds(rounds, "GB/s", "bandwidth"), flush=True)
             rows.append(row)
     print(format_rows(rows))
     if rows[0]["batch_size"] == 1 and rows[0].get("bandwidth_roof_tok_s") and rows[0]["decode_tok_s"]:
         probes = rows[0].get("paired_probes")
         source = (f"GEMV {probes['gemv_gbs'][0]:.1f} / {probes['gemv_gbs'][1]:.1f} GB/s before / after"
                   if probes else "the start-up probe")
-        print(f"batch 1: {rows[0]['decode_tok_s']:.1f} decode tok/s = {rows[0]['decode_pct_of_bandwidth_roof']:.0f}% "
-              f"of the bandwidth limit {rows[0]['bandwidth_roof_tok_s']:.1f} tok/s ({source})")
+        rounds = rows[0].get("decode_rounds")
+        own = rows[0]["decode_pct_of_bandwidth_roof_own_probes" if rounds else "decode_pct_of_bandwidth_roof"]
+        print(f"batch 1: {rows[0]['decode_tok_s']:.1f} decode tok/s = {own:.0f}% "
+              f"of the bandwidth limit {rows[0]['bandwidth_roof_tok_s']:.1f} tok/s ({source})"
+              + (f"; {len(rounds['tok_s'])} rounds each between probes: median {rounds['median_pct_of_roof']:.0f}%"
+                 if rounds else ""))
     kernel_isa = runner.kernel_isa
     hf = None
     if args.hf_baseline:

@@ -145,54 +145,61 @@ def _packed_copies(weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     return out
 
 
+class GemvProbe:
+    """The GEMV probe's weights, allocated once (on huge pages, as loom keeps its weights) and
+    timed on each measure(): rounds between other work then add no allocation of their own."""
+
+    def __init__(self, dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 shape: tuple[int, int] = GEMV_SHAPE, working_set: int = GEMV_WORKING_SET) -> None:
+        n, k = shape
+        torch_dtype = _DTYPES[dtype]
+        self.shape = shape
+        self.matrix_bytes = n * k * torch.empty((), dtype=torch_dtype).element_size()
+        count = max(2, math.ceil(working_set / self.matrix_bytes))
+        self.weights = [zeros_tensor_on_huge_pages((n, k), torch_dtype).uniform_(-1.0, 1.0) for _ in range(count)]
+        self.x = torch.randn(1, k, dtype=torch_dtype)
+        self.impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"torch": F.linear}
+        self.kernel_note = None
+        if kernel is not None:
+            try:
+                if _agrees_with_torch(kernel(self.x, self.weights[0]), self.x, self.weights[0]):
+                    self.impls["loom"] = kernel
+                else:
+                    self.kernel_note = "result differs from F.linear; not timed"
+            except Exception as e:
+                self.kernel_note = f"failed ({type(e).__name__}: {e})"
+        if "loom" in self.impls:
+            # loom's linears keep float32 and bfloat16 weights packed for the kernel as well
+            # (Linear.pack_weight): a token against the packed copy is the stream a decode step does
+            # (bfloat16: on AMX tiles; without AMX linear_dense takes the unpacked weight at one row)
+            packed = _packed_copies(self.weights)
+            if packed:
+                self.impls["loom packed"] = lambda x, w: kernel(x, w, packed[w.data_ptr()])
+
+    def measure(self, rounds: int = 3) -> dict[str, Any]:
+        rates: dict[str, float] = {}
+        for name, fn in self.impls.items():
+            fn(self.x, self.weights[0])  # warm-up
+            best = float("inf")
+            # Cycling through the set means the weight of each call was last touched a whole
+            # working set ago: it comes from DRAM.
+            for _ in range(rounds):
+                for w in self.weights:
+                    t = time.perf_counter()
+                    fn(self.x, w)
+                    best = min(best, time.perf_counter() - t)
+            rates[name] = self.matrix_bytes / best / 1e9
+        best_impl = max(rates, key=rates.get)
+        return {"torch_gbs": rates["torch"], "loom_gbs": rates.get("loom"),
+                "loom_packed_gbs": rates.get("loom packed"), "best_gbs": rates[best_impl], "best_by": best_impl,
+                "loom_note": self.kernel_note, "shape_nk": list(self.shape), "matrix_bytes": self.matrix_bytes,
+                "working_set_bytes": self.matrix_bytes * len(self.weights)}
+
+
 def probe_gemv(dtype: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                shape: tuple[int, int] = GEMV_SHAPE, working_set: int = GEMV_WORKING_SET,
                rounds: int = 3) -> dict[str, Any]:
-    n, k = shape
-    torch_dtype = _DTYPES[dtype]
-    matrix_bytes = n * k * torch.empty((), dtype=torch_dtype).element_size()
-    count = max(2, math.ceil(working_set / matrix_bytes))
-    # on huge pages, as loom keeps its weights (worker_proc/huge_pages.py): the best this machine streams
-    weights = [zeros_tensor_on_huge_pages((n, k), torch_dtype).uniform_(-1.0, 1.0) for _ in range(count)]
-    x = torch.randn(1, k, dtype=torch_dtype)
-
-    impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"torch": F.linear}
-    kernel_note = None
-    if kernel is not None:
-        try:
-            if _agrees_with_torch(kernel(x, weights[0]), x, weights[0]):
-                impls["loom"] = kernel
-            else:
-                kernel_note = "result differs from F.linear; not timed"
-        except Exception as e:
-            kernel_note = f"failed ({type(e).__name__}: {e})"
-
-    if "loom" in impls:
-        # loom's linears keep float32 and bfloat16 weights packed for the kernel as well
-        # (Linear.pack_weight): a token against the packed copy is the stream a decode step does
-        # (bfloat16: on AMX tiles; without AMX linear_dense takes the unpacked weight at one row)
-        packed = _packed_copies(weights)
-        if packed:
-            impls["loom packed"] = lambda x, w: kernel(x, w, packed[w.data_ptr()])
-
-    rates: dict[str, float] = {}
-    for name, fn in impls.items():
-        fn(x, weights[0])  # warm-up
-        best = float("inf")
-        # Cycling through the set means the weight of each call was last touched a whole
-        # working set ago: it comes from DRAM.
-        for _ in range(rounds):
-            for w in weights:
-                t = time.perf_counter()
-                fn(x, w)
-                best = min(best, time.perf_counter() - t)
-        rates[name] = matrix_bytes / best / 1e9
-    del weights
-    best_impl = max(rates, key=rates.get)
-    return {"torch_gbs": rates["torch"], "loom_gbs": rates.get("loom"), "loom_packed_gbs": rates.get("loom packed"),
-            "best_gbs": rates[best_impl],
-            "best_by": best_impl, "loom_note": kernel_note, "shape_nk": list(shape), "matrix_bytes": matrix_bytes,
-            "working_set_bytes": matrix_bytes * count}
+    return GemvProbe(dtype, kernel, shape, working_set).measure(rounds)
 
 
 def describe_machine() -> dict[str, Any]:

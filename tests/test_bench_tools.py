@@ -4,6 +4,7 @@ inputs and no server; a few tests run a bench end to end for a few steps of the 
 from __future__ import annotations
 
 import os
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from benchmarks.bench_offline import llama_cpp_installed, parse_baselines
 from benchmarks.common import (AVX2_ONLY_ENV, avx2_only_vllm_env, measure_rounds, vllm_engine_args, vllm_env,
                                vllm_preloads, vllm_server_command, vllm_version)
-from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, prefill_rounds, summarize_steps
+from benchmarks.bench_one_batch import Step, WeightStats, add_rooflines, probed_rounds, summarize_steps
 from benchmarks.bench_serving_compare import loom_server_command
 from benchmarks.probes import (gemm_gflops, gemv_gbs, header_lines, load_loom_gemv, probe_gemm, probe_gemv,
                                probe_machine)
@@ -186,15 +187,15 @@ def test_step_summary_and_rooflines():
     assert row["bandwidth_roof_tok_s"] == pytest.approx(32.0) and row["roof_tok_s"] == pytest.approx(32.0)
 
 
-def test_prefill_rounds_judge_each_prefill_by_the_probes_either_side():
-    """probe, prefill, probe, ...: each round's share uses the mean of its own two probes, so one
+def test_probed_rounds_judge_each_round_by_the_probes_either_side():
+    """probe, run, probe, ...: each round's share uses the mean of its own two probes, so one
     phase change moves one round and the median keeps the rest."""
     probes = iter([100.0, 100.0, 300.0, 300.0, 300.0])
-    prefills = iter([50.0, 100.0, 150.0, 150.0])
-    rounds = prefill_rounds(lambda: next(prefills), lambda: next(probes), 4, prefill_roof_per_gflops=1.0)
-    assert rounds["gemm_gflops"] == [100.0, 100.0, 300.0, 300.0, 300.0]
-    assert rounds["pct_of_gemm_roof"] == pytest.approx([50.0, 50.0, 50.0, 50.0])
-    assert rounds["median_pct_of_gemm_roof"] == pytest.approx(50.0)
+    runs = iter([50.0, 100.0, 150.0, 150.0])
+    rounds = probed_rounds(lambda: next(runs), lambda: next(probes), 4, roof_per_rate=1.0)
+    assert rounds["probes"] == [100.0, 100.0, 300.0, 300.0, 300.0]
+    assert rounds["pct_of_roof"] == pytest.approx([50.0, 50.0, 50.0, 50.0])
+    assert rounds["median_pct_of_roof"] == pytest.approx(50.0)
 
 
 def test_plots_write_pngs(tmp_path):
@@ -227,6 +228,26 @@ def test_one_batch_rooflines_come_from_probes_paired_with_each_batch(default_mod
             row["batch_size"] * sum(gemv) / 2 * 1e9 / (weights + row["batch_size"] * kv_per_row))
         assert row["gemm_roof_tok_s"] == pytest.approx(sum(gemm) / 2 * 1e9 / result["model"]["flops_per_token"])
         assert row["decode_steps"] == 2 and row["decode_tok_s"] > 0
+
+
+def test_one_batch_decode_rounds_judge_each_batch_by_gemv_probes_either_side(default_model_dir, tmp_path):
+    """--decode-rounds: the batch runs N more times between GEMV probes; its %BW roof becomes the
+    rounds' median share, each round's roof from the mean of its two probes."""
+    from benchmarks import bench_one_batch
+
+    result = bench_one_batch.main(["--batch-sizes", "1", "--input-len", "8", "--output-len", "3", "--dtype",
+                                   "float32", "--no-plot", "--probe-working-set-mb", "64", "--decode-rounds", "2",
+                                   "--json", str(tmp_path / "one_batch.json")])
+    [row] = result["results"]
+    rounds = row["decode_rounds"]
+    assert len(rounds["tok_s"]) == 2 and len(rounds["probes"]) == 3 and min(rounds["probes"]) > 0
+    step_bytes = result["model"]["weight_bytes"] + row["kv_bytes_per_step"]
+    for tok_s, pct, a, b in zip(rounds["tok_s"], rounds["pct_of_roof"], rounds["probes"], rounds["probes"][1:]):
+        assert pct == pytest.approx(100.0 * tok_s / ((a + b) / 2 * 1e9 / step_bytes))
+    assert row["decode_pct_of_bandwidth_roof"] == pytest.approx(statistics.median(rounds["pct_of_roof"]))
+    assert row["decode_pct_of_bandwidth_roof_own_probes"] > 0
+    with pytest.raises(SystemExit):
+        bench_one_batch.parse_args(["--decode-rounds", "2", "--no-probe"])
 
 
 def test_parallel_benchmark_reports_each_configuration_and_its_collectives(default_model_dir, tmp_path, capsys):
