@@ -300,6 +300,11 @@ def prompt_flops(weights: WeightStats, input_len: int) -> float:
     return weights.flops_per_token - weights.head_flops_per_token * (1 - 1 / input_len)
 
 
+def bandwidth_roof_tok_s(batch: int, gemv_rate_gbs: float, step_bytes: float) -> float:
+    """Decode tok/s if a step's bytes (every weight once, the batch's KV reads) stream at the GEMV rate."""
+    return batch * gemv_rate_gbs * 1e9 / step_bytes
+
+
 def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: float | None,
                   gemm_rate_gflops: float | None, input_len: int, kv_bytes_per_step: float = 0.0) -> None:
     """Bandwidth roof: a decode step streams all weights once for the whole batch, and each row's
@@ -307,7 +312,7 @@ def add_rooflines(row: dict[str, Any], weights: WeightStats, gemv_rate_gbs: floa
     each token at the probed GEMM rate (a prompt's tokens skip the LM head but for the last). The
     roofline is the lower of the two."""
     step_bytes = weights.bytes + kv_bytes_per_step
-    bw = row["batch_size"] * gemv_rate_gbs * 1e9 / step_bytes if gemv_rate_gbs else None
+    bw = bandwidth_roof_tok_s(row["batch_size"], gemv_rate_gbs, step_bytes) if gemv_rate_gbs else None
     gemm = gemm_rate_gflops * 1e9 / weights.flops_per_token if gemm_rate_gflops else None
     prefill_gemm = gemm_rate_gflops * 1e9 / prompt_flops(weights, input_len) if gemm_rate_gflops else None
     roof = min(x for x in (bw, gemm) if x is not None) if (bw or gemm) else None
@@ -523,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         return gemv.measure()["best_gbs"]
 
                 rounds = probed_rounds(run_decode, probe_gbs, args.decode_rounds,
-                                       bs * 1e9 / (weights.bytes + kv_bytes_per_step(bs)))
+                                       bandwidth_roof_tok_s(bs, 1.0, weights.bytes + kv_bytes_per_step(bs)))
                 del gemv
                 row["decode_rounds"] = rounds
                 row["decode_pct_of_bandwidth_roof_own_probes"] = row["decode_pct_of_bandwidth_roof"]
